@@ -1,0 +1,122 @@
+"""PopTorch's DataLoader: batches of ``combinedBatchSize`` samples per model call.
+
+A model call consumes ``batch_size × deviceIterations × replicationFactor ×
+gradientAccumulation`` samples; the DataLoader builds exactly such batches, so
+each batch is one call. ``drop_last=True`` (PopTorch's default) keeps every
+batch full — a compiled model runs one input shape. ``DataLoaderMode.Async``
+loads batches ahead on a background thread while the model runs.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .enums import DataLoaderMode
+from .errors import OptionsError
+from .options import Options
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` whose batches are whole model calls."""
+
+    def __init__(self, options: Options, dataset, batch_size: int = 1,
+                 shuffle: Optional[bool] = None, num_workers: int = 0, drop_last: bool = True,
+                 persistent_workers: Optional[bool] = None,
+                 auto_distributed_partitioning: bool = True,
+                 mode: DataLoaderMode = DataLoaderMode.Sync,
+                 async_options: Optional[dict] = None,
+                 rebatched_worker_size: Optional[int] = None, **kwargs) -> None:
+        if not isinstance(options, Options):
+            raise OptionsError(f"DataLoader(options={options!r}): expected ipukit.Options().")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise OptionsError(f"DataLoader(batch_size={batch_size!r}): expected an int >= 1 "
+                               "(the micro-batch size).")
+        options._freeze()
+        self.options = options
+        self._mode = DataLoaderMode(mode)
+        self._async_options = dict(async_options or {})
+        self.micro_batch_size = batch_size
+        self._combined_batch_size = batch_size * options.combined_batch_factor
+        cores = os.cpu_count() or 1
+        if num_workers > cores:
+            warnings.warn(f"ipukit.DataLoader: num_workers={num_workers} worker processes on a "
+                          f"machine with {cores} cores; loading will contend with training. "
+                          f"Consider num_workers={cores}.", stacklevel=2)
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        super().__init__(dataset, batch_size=self._combined_batch_size,
+                         shuffle=bool(shuffle), num_workers=num_workers, drop_last=drop_last,
+                         persistent_workers=persistent_workers, **kwargs)
+
+    @property
+    def combinedBatchSize(self) -> int:  # noqa: N802 - PopTorch's name
+        """Samples per batch: batch_size × DI × R × GA."""
+        return self._combined_batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        it = super().__iter__()
+        if self._mode == DataLoaderMode.Sync:
+            return it
+        return _prefetch(it, self._async_options.get("buffer_size", 3))
+
+    def terminate(self) -> None:
+        """PopTorch's method to stop async workers; nothing to stop between iterations here."""
+
+
+class AsynchronousDataAccessor:
+    """Iterate a DataLoader (or any iterable) with batches loaded ahead on a thread."""
+
+    def __init__(self, dataset, buffer_size: int = 3, **kwargs) -> None:
+        self._dataset = dataset
+        self._buffer_size = buffer_size
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __iter__(self):
+        return _prefetch(iter(self._dataset), self._buffer_size)
+
+    def terminate(self) -> None:
+        pass
+
+
+_END = object()
+
+
+def _prefetch(iterator: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Yield from ``iterator`` while a daemon thread loads up to ``depth`` items ahead."""
+    buffer: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def load() -> None:
+        try:
+            for item in iterator:
+                while not stop.is_set():
+                    try:
+                        buffer.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            buffer.put(_END)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            buffer.put(exc)
+
+    thread = threading.Thread(target=load, name="ipukit-dataloader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -1,0 +1,79 @@
+"""PopTorch's enumerations, with PopTorch's names and values."""
+import enum
+
+
+class OutputMode(enum.IntEnum):
+    """What a model call returns of the outputs of its micro-batches.
+
+    - ``Final``: only the last micro-batch's outputs.
+    - ``EveryN``: the outputs of every N-th micro-batch (N is the
+      ``output_return_period`` of :meth:`Options.outputMode`).
+    - ``All``: the outputs of every micro-batch, concatenated on the batch dimension.
+    - ``Sum``: the element-wise sum of every micro-batch's outputs.
+    - ``Default``: ``Final`` for a training model, ``All`` for an inference model.
+    """
+
+    Final = 0
+    EveryN = 1
+    All = 2
+    Sum = 3
+    Default = 4
+
+
+class ReductionType(enum.IntEnum):
+    """How gradients of micro-batches and replicas are combined before a step."""
+
+    Sum = 0
+    Mean = 1
+    NoReduction = 2
+
+
+class MeanReductionStrategy(enum.IntEnum):
+    """Accepted for compatibility; ipukit always divides after accumulating (``Post``)."""
+
+    Running = 0
+    Post = 1
+    PostAndLoss = 2
+
+
+class DataLoaderMode(enum.IntEnum):
+    """``Sync`` loads on the caller's thread; ``Async`` loads ahead in the background."""
+
+    Sync = 0
+    Async = 1
+    AsyncRebatched = 2
+
+
+class AutoStage(enum.IntEnum):
+    """How blocks without an explicit :class:`Stage` get their stage id.
+
+    - ``SameAsIpu``: the stage id is the block's ``ipu_id``.
+    - ``AutoIncrement``: every new block gets the next stage id.
+    """
+
+    SameAsIpu = 0
+    AutoIncrement = 1
+
+
+class ConnectionType(enum.IntEnum):
+    """Accepted for compatibility; virtual IPUs are always available."""
+
+    Always = 0
+    OnDemand = 1
+    Never = 2
+
+
+class SyncPattern(enum.IntEnum):
+    """Accepted for compatibility; no effect in ipukit."""
+
+    Full = 0
+    SinglePipeline = 1
+    ReplicaAndLadder = 2
+
+
+class HalfFloatCastingBehavior(enum.IntEnum):
+    """Accepted for compatibility; no effect in ipukit."""
+
+    FloatDowncastToHalf = 0
+    HalfUpcastToFloat = 1
+    Default = 2

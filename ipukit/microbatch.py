@@ -1,0 +1,126 @@
+"""Splitting a host call's combined batch into micro-batches, and back.
+
+A call's input holds ``deviceIterations × gradientAccumulation × replicationFactor``
+micro-batches along dimension 0, in that nesting order: iteration-major, then
+accumulation step, then replica. :func:`split` cuts it; :func:`gather` builds
+the outputs a call returns according to the output mode (PopTorch's shapes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+from .enums import OutputMode
+from .errors import BatchSizeError, OptionsError
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The shape of one call: DI iterations × GA steps × R replicas."""
+
+    device_iterations: int
+    gradient_accumulation: int
+    replicas: int
+
+    @property
+    def steps(self) -> int:
+        """Micro-batches per replica in one call (DI × GA)."""
+        return self.device_iterations * self.gradient_accumulation
+
+    @property
+    def factor(self) -> int:
+        return self.steps * self.replicas
+
+    def index(self, iteration: int, step: int, replica: int) -> int:
+        """Position of a micro-batch in the combined batch."""
+        return (iteration * self.gradient_accumulation + step) * self.replicas + replica
+
+
+def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str]) -> List[list]:
+    """Cut every tensor input into ``batching.factor`` micro-batches (views)."""
+    factor = batching.factor
+    pieces = []
+    for value, name in zip(flat_inputs, input_names):
+        if not isinstance(value, torch.Tensor):
+            pieces.append([value] * factor)
+            continue
+        size = value.shape[0] if value.dim() > 0 else 1
+        if value.dim() == 0 or size % factor != 0:
+            raise BatchSizeError(
+                f"Invalid batch dimension: in the input {name} of shape {tuple(value.shape)}, "
+                f"the batch dimension ({size}) must be a multiple of "
+                f"Options.deviceIterations({batching.device_iterations}) * "
+                f"Options.replicationFactor({batching.replicas}) * "
+                f"Options.Training.gradientAccumulation({batching.gradient_accumulation}) "
+                f"= {factor}, because each call consumes that many micro-batches. Pass "
+                f"{factor} × micro-batch-size samples per call, e.g. with "
+                "ipukit.DataLoader(options, dataset, batch_size=micro_batch_size), which "
+                "builds batches of exactly that size.")
+        pieces.append(list(value.chunk(factor, dim=0)) if factor > 1 else [value])
+    return [[p[k] for p in pieces] for k in range(factor)]
+
+
+def _join(tensors: List[torch.Tensor]) -> torch.Tensor:
+    if tensors[0].dim() == 0:
+        return torch.stack(tensors)
+    return torch.cat(tensors, dim=0)
+
+
+def resolve_output_mode(mode: OutputMode, training: bool) -> OutputMode:
+    if mode == OutputMode.Default:
+        return OutputMode.Final if training else OutputMode.All
+    return mode
+
+
+def check_period(mode: OutputMode, period: int, batching: Batching) -> None:
+    if mode == OutputMode.EveryN and batching.steps % period != 0:
+        raise OptionsError(
+            f"Options.outputMode(OutputMode.EveryN, output_return_period={period}): the "
+            f"period must divide the micro-batches per replica in a call, deviceIterations "
+            f"× gradientAccumulation = {batching.steps}. Choose a divisor of {batching.steps}.")
+
+
+def gather(per_microbatch: List[list], mode: OutputMode, period: int,
+           batching: Batching) -> list:
+    """Combine per-micro-batch flat outputs into the flat outputs of the call.
+
+    ``per_microbatch[k]`` holds the outputs of micro-batch ``k`` (combined-batch
+    order). Shapes follow PopTorch: ``All`` concatenates every micro-batch on
+    dimension 0 (scalars are stacked), ``Final`` keeps the last step,
+    ``EveryN`` every ``period``-th step, ``Sum`` adds all steps; replicas are
+    concatenated, and a single replica's ``Final``/``Sum`` keeps the
+    micro-batch shape (a 0-d loss stays 0-d).
+    """
+    R = batching.replicas
+    steps = batching.steps
+    n_out = len(per_microbatch[0])
+    result = []
+    for j in range(n_out):
+        def at(step, replica, j=j):
+            return per_microbatch[step * R + replica][j]
+
+        sample = at(0, 0)
+        if not isinstance(sample, torch.Tensor):
+            result.append(at(steps - 1, R - 1))
+            continue
+        if mode == OutputMode.All:
+            result.append(_join([at(s, r) for s in range(steps) for r in range(R)]))
+        elif mode == OutputMode.EveryN:
+            chosen = [s for s in range(steps) if (s + 1) % period == 0]
+            result.append(_join([at(s, r) for s in chosen for r in range(R)]))
+        elif mode == OutputMode.Final:
+            per_replica = [at(steps - 1, r) for r in range(R)]
+            result.append(per_replica[0] if R == 1 else _join(per_replica))
+        elif mode == OutputMode.Sum:
+            per_replica = []
+            for r in range(R):
+                total = at(0, r).clone()
+                for s in range(1, steps):
+                    total += at(s, r)
+                per_replica.append(total)
+            result.append(per_replica[0] if R == 1 else _join(per_replica))
+        else:  # pragma: no cover - Default is resolved before
+            raise OptionsError(f"unresolved output mode {mode!r}")
+    return result

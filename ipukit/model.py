@@ -1,0 +1,432 @@
+"""``trainingModel`` and ``inferenceModel``: PopTorch's model wrappers.
+
+The wrapper (:class:`PoplarExecutor`, PopTorch's name) compiles on the first
+call: it traces the model on one micro-batch, cuts it into stages
+(:mod:`ipukit.partition`), checks the batching options against the number of
+stages, and builds the call's schedule (:mod:`ipukit.schedule`). Each call
+then splits the combined batch (:mod:`ipukit.microbatch`), runs the schedule
+on per-IPU workers (:mod:`ipukit.executor`) and returns outputs per the output
+mode. The stages share the user's ``Parameter`` objects, so the user's module,
+a training model and an inference model of it always see the same weights.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+import weakref
+from typing import Any, List, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import microbatch, partition, schedule as schedules
+from .enums import OutputMode, ReductionType
+from .errors import (Error, InputShapeError, ModelStateError, OptionsError,
+                     PipelineConfigError, TracingError)
+from .executor import CallRunner, Plan, StateSnapshot
+from .ops import running_on_ipu
+from .options import Options
+from .strategies import ShardedExecution
+from .timeline import Event, Timeline
+
+_NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
+                 "model.compile(*inputs)) first.")
+
+
+def _devices_for(ipus: List[int], mapping: Optional[List[str]]) -> dict:
+    """Virtual IPU → torch device: the option's list, else CUDA round-robin, else CPU."""
+    if mapping:
+        return {ipu: torch.device(mapping[ipu % len(mapping)]) for ipu in ipus}
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        n = torch.cuda.device_count()
+        return {ipu: torch.device("cuda", k % n) for k, ipu in enumerate(ipus)}
+    return {ipu: torch.device("cpu") for ipu in ipus}
+
+
+def _input_names(model: torch.nn.Module, args, kwargs) -> List[str]:
+    """Readable names of the flat inputs (``data``, ``labels``, ``inputs[1]``)."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        named = dict(bound.arguments)
+    except (TypeError, ValueError):
+        named = {f"input{i}": a for i, a in enumerate(args)}
+        named.update(kwargs)
+    names = []
+    for path, _ in pytree.tree_flatten_with_path(named)[0]:
+        text = pytree.keystr(path)           # e.g. "['data']" or "['inputs'][1]"
+        first, _, rest = text.partition("]")
+        names.append(first.strip("['\"") + rest)
+    return names
+
+
+def _signature(flat: List[Any], factor: int) -> List[Any]:
+    sig = []
+    for v in flat:
+        if isinstance(v, torch.Tensor):
+            shape = list(v.shape)
+            if shape:
+                shape[0] //= factor
+            sig.append(("tensor", tuple(shape), v.dtype))
+        else:
+            sig.append(("value", repr(v)))
+    return sig
+
+
+class PoplarExecutor:
+    """A model wrapped for ipukit: call it like the module it wraps.
+
+    Attribute access falls through to the wrapped module, so
+    ``training_model.layer1.weight`` works as in PopTorch.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        if options is None:
+            options = Options()
+        if not isinstance(options, Options):
+            raise OptionsError(f"Invalid type: 'options' is of type {type(options).__name__} "
+                               "(expected ipukit.Options).")
+        options._freeze()
+        opts = options.clone()
+        if opts.defaultOutputMode():
+            opts.outputMode(OutputMode.Final if training else OutputMode.All)
+        if not training:
+            if opts.Training.gradient_accumulation != 1:
+                msg = ("You must set ipukit.Options().Training.gradientAccumulation to 1 or leave "
+                       "it as its default value (1) when running an ipukit.inferenceModel() "
+                       f"(got {opts.Training.gradient_accumulation}).")
+                if not opts.is_sharded:
+                    msg += (" Use ipukit.Options().deviceIterations() to process a sufficient "
+                            "number of batches each run for pipelined execution instead.")
+                raise PipelineConfigError(msg)
+            if optimizer is not None:
+                raise OptionsError("An inference model takes no optimizer.")
+        elif optimizer is None:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        opts._freeze()
+        d = self.__dict__
+        d["_user_model"] = model
+        d["_options"] = opts
+        d["_training"] = training
+        d["_optimizer"] = optimizer
+        d["_plan"] = None
+        d["_schedule"] = None
+        d["_signature"] = None
+        d["_attached"] = False
+        d["_timeline"] = None
+        d["_timelines_kept"] = []
+        d["_calls"] = 0
+        d["_input_names"] = None
+        if training:
+            object.__setattr__(model, "_ipukit_training_wrapper", weakref.ref(self))
+
+    # -- attribute pass-through -------------------------------------------------
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_user_model"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            setattr(self._user_model, name, value)
+
+    def __repr__(self) -> str:
+        kind = "trainingModel" if self._training else "inferenceModel"
+        return f"ipukit.{kind}({self._user_model!r})"
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The wrapped user module (shares its parameters with every stage)."""
+        return self._user_model
+
+    @property
+    def options(self) -> Options:
+        """This model's (frozen) copy of the options, with ``Default`` resolved."""
+        return self._options
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    # -- compilation -----------------------------------------------------------
+    def _batching(self) -> microbatch.Batching:
+        o = self._options
+        return microbatch.Batching(o.device_iterations,
+                                   o.Training.gradient_accumulation if self._training else 1,
+                                   o.replication_factor)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Trace and partition the model for these inputs without running it."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        self._compile(flat, spec, args, kwargs)
+
+    def _compile(self, flat, spec, args, kwargs) -> None:
+        opts = self._options
+        batching = self._batching()
+        names = _input_names(self._user_model, args, kwargs)
+        micro = microbatch.split(flat, batching, names)
+        mode = microbatch.resolve_output_mode(opts.output_mode, self._training)
+        microbatch.check_period(mode, opts.output_return_period, batching)
+        if opts.random_seed is not None:
+            torch.manual_seed(opts.random_seed)
+        strategy = opts.execution_strategy
+        part = self._partition(micro[0], spec, strategy)
+        n = part.num_stages
+        self._check_stage_counts(n, strategy)
+        if self._training and part.loss_output is None:
+            raise Error("A training model must return its loss (a tensor): the model returned "
+                        "no tensor output. Return the loss, e.g. `return output, loss`.")
+        if self._training and n > 1:
+            loss_ref = part.outputs[part.loss_output]
+            if loss_ref.kind != "stage" or loss_ref.index != n - 1:
+                where = "an input" if loss_ref.kind != "stage" else f"stage {loss_ref.index}"
+                raise PipelineConfigError(
+                    f"The loss is computed in {where}, but the last pipeline stage is stage "
+                    f"{n - 1}: compute the loss in the last block (for example "
+                    "`with ipukit.Block(\"B4\"): loss = ...`).")
+        devices = _devices_for(part.ipus, opts.device_mapping)
+        for st in part.stages:
+            dev = devices[st.ipu]
+            if dev.type != "cpu":
+                st.module.to(dev)
+        plan = Plan(partition=part, training=self._training, devices=devices,
+                    reduction=opts.Training.accumulation_and_replication_reduction_type,
+                    threads_per_worker=opts.cpu_threads_per_ipu,
+                    offload_optimizer=self._training and not opts.TensorLocations.on_chip("optimizer"),
+                    record=opts.record_timeline)
+        plan.tensor_inputs = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        self._plan = plan
+        self._schedule = self._build_schedule(part, strategy)
+        self._signature = (spec, _signature(flat, batching.factor))
+        self._input_names = names
+        self._attached = True
+
+    def _partition(self, sample, spec, strategy) -> partition.Partition:
+        model = self._user_model
+        try:
+            return partition.trace(model, sample, spec, strategy)
+        except TracingError as trace_error:
+            if strategy.stages:
+                raise
+            part = partition.eager(model, sample, spec)
+            with partition.recording_blocks(strategy) as rec:
+                partition.discover_eager_outputs(part, sample)
+            if len(rec.segments) > 1:
+                raise trace_error
+            return part
+
+    def _check_stage_counts(self, n: int, strategy) -> None:
+        if n <= 1 or isinstance(strategy, ShardedExecution):
+            return
+        o = self._options
+        if self._training:
+            needed = 2 * n - 1
+            ga = o.Training.gradient_accumulation
+            if ga < needed:
+                raise PipelineConfigError(
+                    "ipukit.Options().Training.gradientAccumulation must be greater than or "
+                    f"equal to the number of pipeline stages ({needed}) when using "
+                    f"ipukit.PipelinedExecution (got {ga}). Please note that a model with {n} "
+                    f"pipeline stages in ipukit (as in PopTorch) will have an additional {n - 1} "
+                    f"stages when training. Set gradientAccumulation to {needed} or more, or use "
+                    "ipukit.ShardedExecution.")
+        elif o.device_iterations < n:
+            raise PipelineConfigError(
+                "ipukit.Options().deviceIterations must be greater than or equal to the number "
+                f"of pipeline stages ({n}) when using ipukit.PipelinedExecution (got "
+                f"{o.device_iterations}). Set deviceIterations to {n} or more, or use "
+                "ipukit.ShardedExecution.")
+
+    def _build_schedule(self, part, strategy) -> schedules.Schedule:
+        o = self._options
+        n = part.num_stages
+        stage_ipus = [st.ipu for st in part.stages]
+        sharded = isinstance(strategy, ShardedExecution) and n > 1
+        if self._training:
+            kind = "sharded" if sharded else o.pipeline_schedule.lower()
+            return schedules.build(kind, n, o.Training.gradient_accumulation,
+                                   o.device_iterations, stage_ipus)
+        kind = "sharded-inference" if sharded else "inference"
+        return schedules.build(kind, n, o.device_iterations, 1, stage_ipus)
+
+    # -- calls ------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        t_call = time.perf_counter()
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if self._plan is None:
+            self._compile(flat, spec, args, kwargs)
+            t_call = time.perf_counter()
+        else:
+            self._check_signature(flat, spec)
+        if not self._attached:
+            self.attachToDevice()
+        opts = self._options
+        batching = self._batching()
+        micro = microbatch.split(flat, batching, self._input_names)
+        plan = self._plan
+        snapshot = StateSnapshot(self._user_model, self._optimizer,
+                                 weights=self._training and batching.device_iterations > 1)
+        runner = CallRunner(plan, self._schedule, micro, batching.replicas,
+                            self._optimizer, clock_origin=t_call, call_index=self._calls)
+        t_run = time.perf_counter()
+        try:
+            with running_on_ipu():
+                runner.run()
+        except BaseException:
+            snapshot.restore()
+            raise
+        t_gather = time.perf_counter()
+        part = plan.partition
+        rows = runner.results
+        for j, ref in enumerate(part.outputs):
+            if ref.kind == "const":
+                for row in rows:
+                    row[j] = ref.value
+            elif ref.kind == "input":
+                for row, inputs in zip(rows, micro):
+                    row[j] = inputs[plan.tensor_inputs[ref.index]]
+        mode = microbatch.resolve_output_mode(opts.output_mode, self._training)
+        flat_out = microbatch.gather(rows, mode, opts.output_return_period, batching)
+        result = pytree.tree_unflatten(flat_out, part.out_spec)
+        self._calls += 1
+        if plan.record:
+            self._finish_timeline(runner, flat, batching, t_call, t_run, t_gather)
+        return result
+
+    def _finish_timeline(self, runner, flat, batching, t_call, t_run, t_gather) -> None:
+        samples = 0
+        for v in flat:
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                samples = v.shape[0]
+                break
+        tl = runner.timeline(samples)
+        now = time.perf_counter()
+        tl.events.insert(0, Event(-1, "host", -1, 0.0, t_run - t_call, -1, 0, 0, runner.call_index))
+        tl.events.append(Event(-1, "host", -1, t_gather - t_call, now - t_call, -1, 0,
+                               batching.device_iterations - 1, runner.call_index))
+        tl.meta["model"] = "training" if self._training else "inference"
+        tl.meta["stage_ipus"] = list(self._schedule.stage_ipus)
+        tl.meta["blocks"] = [st.blocks for st in self._plan.partition.stages]
+        self._timeline = tl
+        if self._options.profile_dir:
+            from .profile import write_profile
+
+            write_profile(tl, self._options.profile_dir, self)
+
+    def _check_signature(self, flat, spec) -> None:
+        old_spec, old_sig = self._signature
+        factor = self._batching().factor
+        new_sig = _signature(flat, factor)
+        if spec != old_spec or len(new_sig) != len(old_sig):
+            raise InputShapeError(
+                "The model was compiled for inputs of another structure (number or nesting of "
+                "arguments changed). Call it with the same arguments it was compiled with, or "
+                "call model.destroy() and wrap it again.")
+        for name, old, new in zip(self._input_names, old_sig, new_sig):
+            if old != new:
+                if old[0] == "tensor" and new[0] == "tensor":
+                    old_shape = (old[1][0] * factor,) + old[1][1:] if old[1] else old[1]
+                    raise InputShapeError(
+                        f"Input {name!r} changed after compile: the model was compiled for "
+                        f"{list(old_shape)} ({old[2]}) per call, i.e. micro-batches of "
+                        f"{list(old[1])}, and now gets micro-batches of {list(new[1])} "
+                        f"({new[2]}). A compiled model, as in PopTorch, runs one input shape: "
+                        "keep batches the same size (ipukit.DataLoader drops the incomplete "
+                        "last batch by default), or call model.destroy() and wrap the model "
+                        "again for the new shape.")
+                raise InputShapeError(
+                    f"Input {name!r} changed after compile (was {old[1]}, now {new[1]}). "
+                    "Non-tensor inputs are fixed at compile time; call model.destroy() and wrap "
+                    "the model again.")
+
+    # -- PopTorch's model methods ----------------------------------------------
+    def getTimeline(self) -> Optional[Timeline]:
+        """The measured :class:`~ipukit.Timeline` of the last call (None before any call)."""
+        return self._timeline
+
+    def isCompiled(self) -> bool:
+        return self._plan is not None
+
+    def isAttachedToDevice(self) -> bool:
+        return self._plan is not None and self._attached
+
+    def detachFromDevice(self) -> None:
+        """Release the virtual IPUs (the next call attaches again)."""
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+        if not self._attached:
+            raise ModelStateError("Device is not attached: call attachToDevice() first, or just "
+                                  "call the model, which attaches it.")
+        self._attached = False
+
+    def attachToDevice(self) -> None:
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+        if self._attached:
+            raise ModelStateError("Device is already attached.")
+        self._attached = True
+
+    def copyWeightsToHost(self) -> None:
+        """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+
+    def copyWeightsToDevice(self) -> None:
+        """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        return False
+
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer`` (e.g. with a new learning rate) from the next call on."""
+        if not self._training:
+            raise ModelStateError("setOptimizer(): an inference model has no optimizer.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise OptionsError(f"setOptimizer({optimizer!r}): expected a torch.optim.Optimizer.")
+        self._optimizer = optimizer
+
+    def destroy(self) -> None:
+        """Forget the compiled model and unwrap the module (it can be wrapped again)."""
+        self._plan = None
+        self._schedule = None
+        self._signature = None
+        self._attached = False
+        if self._training:
+            ref = self._user_model.__dict__.get("_ipukit_training_wrapper")
+            if ref is not None and ref() is self:
+                del self._user_model.__dict__["_ipukit_training_wrapper"]
+
+
+def _unwrap(model):
+    return model._user_model if isinstance(model, PoplarExecutor) else model
+
+
+def trainingModel(model: torch.nn.Module, options: Optional[Options] = None,
+                  optimizer: Optional[torch.optim.Optimizer] = None) -> PoplarExecutor:
+    """Wrap ``model`` (which returns its loss) for training; PopTorch's ``trainingModel``.
+
+    The default optimizer, as in PopTorch, is ``SGD(lr=0.01)``.
+    """
+    model = _unwrap(model)
+    if not isinstance(model, torch.nn.Module):
+        raise OptionsError(f"trainingModel({model!r}): expected a torch.nn.Module.")
+    ref = model.__dict__.get("_ipukit_training_wrapper")
+    if ref is not None and ref() is not None:
+        raise ModelStateError(
+            "Model has already been wrapped in 'ipukit.trainingModel'. Call model.destroy() on "
+            "the existing training model to unwrap it before wrapping again.")
+    return PoplarExecutor(model, options, training=True, optimizer=optimizer)
+
+
+def inferenceModel(model: torch.nn.Module, options: Optional[Options] = None) -> PoplarExecutor:
+    """Wrap ``model`` for inference; PopTorch's ``inferenceModel``.
+
+    It shares weights with any training model of the same module: inference
+    sees the latest training step.
+    """
+    model = _unwrap(model)
+    if not isinstance(model, torch.nn.Module):
+        raise OptionsError(f"inferenceModel({model!r}): expected a torch.nn.Module.")
+    return PoplarExecutor(model, options, training=False)

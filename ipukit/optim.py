@@ -1,0 +1,113 @@
+"""PopTorch's optimisers: torch.optim's, accepting PopTorch's extra arguments.
+
+``loss_scaling``, ``velocity_scaling`` and the ``*_accum_type`` arguments
+choose IPU number formats; in float32 they change nothing, so they are
+recorded (``optimizer.ipu_arguments``) and otherwise ignored. ``max_grad_norm``
+really clips the global gradient norm before each step. Plain ``torch.optim``
+optimisers work with ipukit models too.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+
+from .errors import OptionsError
+
+_IPU_ONLY = ("loss_scaling", "velocity_scaling", "use_combined_accum", "accum_type",
+             "first_order_momentum_accum_type", "second_order_momentum_accum_type",
+             "max_grad_norm", "use_tf_variant", "max_weight_norm")
+
+
+def _split(kwargs: Dict[str, Any]):
+    torch_kwargs = {k: v for k, v in kwargs.items() if k not in _IPU_ONLY and v is not None}
+    ipu = {k: v for k, v in kwargs.items() if k in _IPU_ONLY and v is not None}
+    return torch_kwargs, ipu
+
+
+class _IpuArguments:
+    def _init_ipu(self, ipu: Dict[str, Any]) -> None:
+        self.ipu_arguments = dict(ipu)
+        norm = ipu.get("max_grad_norm", math.inf)
+        self.max_grad_norm = math.inf if norm is None else float(norm)
+
+    def _clip(self) -> None:
+        if math.isfinite(self.max_grad_norm):
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._clip()
+        return super().step(closure)
+
+
+class SGD(_IpuArguments, torch.optim.SGD):
+    """``torch.optim.SGD`` (+ ``loss_scaling``, ``velocity_scaling``, ``use_combined_accum``, ``max_grad_norm``)."""
+
+    def __init__(self, params, lr=None, momentum=None, dampening=None, weight_decay=None,
+                 nesterov=None, maximize=None, foreach=None, differentiable=None, **ipu) -> None:
+        kw, extra = _split(dict(lr=lr, momentum=momentum, dampening=dampening,
+                                weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                                foreach=foreach, differentiable=differentiable, **ipu))
+        torch.optim.SGD.__init__(self, params, **kw)
+        self._init_ipu(extra)
+
+
+class Adam(_IpuArguments, torch.optim.Adam):
+    """``torch.optim.Adam`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``)."""
+
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
+                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
+                 **ipu) -> None:
+        kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                amsgrad=amsgrad, foreach=foreach, maximize=maximize,
+                                capturable=capturable, differentiable=differentiable, fused=fused,
+                                **ipu))
+        torch.optim.Adam.__init__(self, params, **kw)
+        self._init_ipu(extra)
+
+
+class AdamW(_IpuArguments, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``)."""
+
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
+                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
+                 **ipu) -> None:
+        kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                amsgrad=amsgrad, foreach=foreach, maximize=maximize,
+                                capturable=capturable, differentiable=differentiable, fused=fused,
+                                **ipu))
+        torch.optim.AdamW.__init__(self, params, **kw)
+        self._init_ipu(extra)
+
+
+class RMSprop(_IpuArguments, torch.optim.RMSprop):
+    """``torch.optim.RMSprop`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``)."""
+
+    def __init__(self, params, lr=None, alpha=None, eps=None, weight_decay=None, momentum=None,
+                 centered=None, foreach=None, maximize=None, differentiable=None, **ipu) -> None:
+        if ipu.get("use_tf_variant"):
+            raise OptionsError("ipukit.optim.RMSprop(use_tf_variant=True) is not supported: "
+                               "ipukit uses torch.optim.RMSprop's update rule. Leave "
+                               "use_tf_variant unset (False).")
+        kw, extra = _split(dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                momentum=momentum, centered=centered, foreach=foreach,
+                                maximize=maximize, differentiable=differentiable, **ipu))
+        torch.optim.RMSprop.__init__(self, params, **kw)
+        self._init_ipu(extra)
+
+
+class VariableAttributes:
+    """PopTorch's optimizer attribute markers (accepted; no effect)."""
+
+    def markAsConstant(self, attr: str) -> None:  # noqa: N802 - PopTorch's name
+        pass
+
+    def markAsVariable(self, attr: str) -> None:  # noqa: N802
+        pass
+
+
+for _cls in (SGD, Adam, AdamW, RMSprop):
+    _cls.variable_attrs = VariableAttributes()

@@ -1,0 +1,531 @@
+"""PopTorch's ``Options``: chainable setters, frozen once in use.
+
+An :class:`Options` object is handed to a model or a :class:`~ipukit.DataLoader`;
+from then on it is frozen and a setter raises :class:`~ipukit.errors.FrozenOptionsError`
+(``options.clone()`` gives a modifiable copy). Setters PopTorch had for the IPU
+compiler are accepted so PopTorch programs run unchanged; they have no effect
+here and are listed under ``"ignored"`` in :meth:`Options.toDict`.
+
+ipukit's own additions (documented in the README):
+
+* :meth:`Options.pipelineSchedule` — ``"1F1B"`` (default) or ``"GPipe"``;
+* :meth:`Options.deviceMapping` — which torch device each virtual IPU runs on;
+* :meth:`Options.cpuThreadsPerIpu` — intra-op threads per virtual-IPU worker;
+* :meth:`Options.recordTimeline` and :meth:`Options.profileDir`.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .enums import (ConnectionType, MeanReductionStrategy, OutputMode, ReductionType,
+                    SyncPattern)
+from .errors import FrozenOptionsError, OptionsError, UnknownOptionError
+from .strategies import PipelinedExecution, ShardedExecution
+
+SCHEDULES = ("1F1B", "GPipe")
+
+
+def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise OptionsError(
+            f"{owner}.{name}({value!r}): expected an int >= {minimum}, got "
+            f"{type(value).__name__} {value!r}.")
+    return value
+
+
+class _OptionGroup:
+    """Common machinery: freezing, ignored setters, helpful unknown-name errors."""
+
+    _path = "Options"
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_frozen", False)
+        object.__setattr__(self, "_sealed", False)
+        object.__setattr__(self, "_ignored", {})
+
+    def __init_subclass__(cls, **kwargs):
+        """Seal every instance once its own ``__init__`` has run: after that,
+        assigning an unknown public name is a typo, not a new option."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        def sealed_init(self, *args, __init=init, __cls=cls, **kw):
+            __init(self, *args, **kw)
+            if type(self) is __cls:
+                object.__setattr__(self, "_sealed", True)
+
+        cls.__init__ = sealed_init
+
+    # -- freezing ---------------------------------------------------------
+    def _children(self) -> List["_OptionGroup"]:
+        return [v for v in self.__dict__.values() if isinstance(v, _OptionGroup)]
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+        for child in self._children():
+            child._freeze()
+
+    def _check_not_frozen(self, call: str) -> None:
+        if self._frozen:
+            raise FrozenOptionsError(
+                f"Can't modify frozen Options: {self._path}.{call} was called after these "
+                "Options were handed to a model or DataLoader, which froze them. Call "
+                "options.clone() and change the copy, then build the model or DataLoader "
+                "with it.")
+
+    def _ignore(self, name: str, *args: Any, **kwargs: Any):
+        """Record a PopTorch setter that has no effect on CPU/GPU."""
+        self._check_not_frozen(f"{name}(...)")
+        value = [_jsonable(a) for a in args] + [{k: _jsonable(v)} for k, v in kwargs.items()]
+        self._ignored[name] = value[0] if len(value) == 1 else value
+        return self
+
+    # -- unknown names ----------------------------------------------------
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        known = [n for n in dir(type(self)) if not n.startswith("_")]
+        known += [n for n in self.__dict__ if not n.startswith("_")]
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise UnknownOptionError(
+            f"{self._path} has no option {name!r}.{hint} See the README's option list "
+            "(PopTorch's names, plus ipukit's additions).")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name in self.__dict__ or not self._sealed:
+            self._check_not_frozen(f"{name} = {value!r}")
+            object.__setattr__(self, name, value)
+            return
+        raise UnknownOptionError(
+            f"{self._path} has no attribute {name!r} to assign; use the setter methods "
+            f"(for example {self._path}.deviceIterations(4)).")
+
+    def __deepcopy__(self, memo):
+        clone = type(self).__new__(type(self))
+        for key, value in self.__dict__.items():
+            object.__setattr__(clone, key, copy.deepcopy(value, memo))
+        object.__setattr__(clone, "_frozen", False)
+        return clone
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if hasattr(value, "name") and hasattr(value, "value"):
+        return value.name
+    return repr(value)
+
+
+class TensorLocationSettings(_OptionGroup):
+    """Where a kind of tensor lives: on the IPU (on chip) or in host memory."""
+
+    _path = "TensorLocationSettings"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_chip = True
+        self.replicated_tensor_sharding = False
+
+    def useOnChipStorage(self, use: bool = True) -> "TensorLocationSettings":
+        self._check_not_frozen(f"useOnChipStorage({use!r})")
+        self.on_chip = bool(use)
+        return self
+
+    def useReplicatedTensorSharding(self, use: bool = True) -> "TensorLocationSettings":
+        return self._ignore("useReplicatedTensorSharding", use)
+
+    def minElementsForOffChip(self, n: int) -> "TensorLocationSettings":
+        return self._ignore("minElementsForOffChip", n)
+
+    def minElementsForReplicatedTensorSharding(self, n: int) -> "TensorLocationSettings":
+        return self._ignore("minElementsForReplicatedTensorSharding", n)
+
+    def useIOTilesToLoad(self, use: bool = True) -> "TensorLocationSettings":
+        return self._ignore("useIOTilesToLoad", use)
+
+    def useIOTilesToStore(self, use: bool = True) -> "TensorLocationSettings":
+        return self._ignore("useIOTilesToStore", use)
+
+    def toDict(self) -> dict:
+        d = {"onChip": self.on_chip}
+        d.update(self._ignored)
+        return d
+
+
+class _TensorLocationOptions(_OptionGroup):
+    _path = "Options.TensorLocations"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.location_activation: Optional[TensorLocationSettings] = None
+        self.location_weight: Optional[TensorLocationSettings] = None
+        self.location_optimizer: Optional[TensorLocationSettings] = None
+        self.location_accumulator: Optional[TensorLocationSettings] = None
+
+    def _set(self, kind: str, location: TensorLocationSettings):
+        self._check_not_frozen(f"set{kind.capitalize()}Location(...)")
+        if not isinstance(location, TensorLocationSettings):
+            raise OptionsError(
+                f"Options.TensorLocations.set{kind.capitalize()}Location({location!r}): "
+                "expected ipukit.TensorLocationSettings(), e.g. "
+                "ipukit.TensorLocationSettings().useOnChipStorage(False).")
+        setattr(self, f"location_{kind}", copy.deepcopy(location))
+        return self
+
+    def setActivationLocation(self, location: TensorLocationSettings):
+        return self._set("activation", location)
+
+    def setWeightLocation(self, location: TensorLocationSettings):
+        return self._set("weight", location)
+
+    def setOptimizerLocation(self, location: TensorLocationSettings):
+        """``useOnChipStorage(False)`` keeps optimiser state in host memory between steps."""
+        return self._set("optimizer", location)
+
+    def setAccumulatorLocation(self, location: TensorLocationSettings):
+        return self._set("accumulator", location)
+
+    def numIOTiles(self, n: int):
+        return self._ignore("numIOTiles", n)
+
+    def on_chip(self, kind: str) -> bool:
+        loc = getattr(self, f"location_{kind}")
+        return True if loc is None else loc.on_chip
+
+    def toDict(self) -> dict:
+        d = {}
+        for kind in ("activation", "weight", "optimizer", "accumulator"):
+            loc = getattr(self, f"location_{kind}")
+            if loc is not None:
+                d[f"location_{kind}"] = loc.toDict()
+        if self._ignored:
+            d["ignored"] = dict(self._ignored)
+        return d
+
+
+class _TrainingOptions(_OptionGroup):
+    _path = "Options.Training"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient_accumulation = 1
+        self.accumulation_and_replication_reduction_type = ReductionType.Mean
+
+    def gradientAccumulation(self, gradient_accumulation: int) -> "_TrainingOptions":
+        """Number of micro-batches whose gradients are combined before each optimiser step."""
+        self._check_not_frozen(f"gradientAccumulation({gradient_accumulation!r})")
+        self.gradient_accumulation = _positive_int(self._path, "gradientAccumulation",
+                                                   gradient_accumulation)
+        return self
+
+    def accumulationAndReplicationReductionType(self, reduction_type: ReductionType):
+        """``Mean`` (default) averages micro-batch and replica gradients; ``Sum`` adds them."""
+        self._check_not_frozen(f"accumulationAndReplicationReductionType({reduction_type!r})")
+        if reduction_type not in (ReductionType.Mean, ReductionType.Sum):
+            raise OptionsError(
+                "Options.Training.accumulationAndReplicationReductionType"
+                f"({reduction_type!r}): use ipukit.ReductionType.Mean or ipukit.ReductionType.Sum.")
+        self.accumulation_and_replication_reduction_type = ReductionType(reduction_type)
+        return self
+
+    def setMeanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
+        return self._ignore("setMeanAccumulationAndReplicationReductionStrategy", strategy)
+
+    def setAutomaticLossScaling(self, enabled: bool):
+        return self._ignore("setAutomaticLossScaling", enabled)
+
+    def setConvolutionDithering(self, enabled: bool):
+        return self._ignore("setConvolutionDithering", enabled)
+
+    def toDict(self) -> dict:
+        d = {"gradient_accumulation": self.gradient_accumulation,
+             "accumulation_and_replication_reduction_type":
+                 self.accumulation_and_replication_reduction_type.name}
+        if self._ignored:
+            d["ignored"] = dict(self._ignored)
+        return d
+
+
+class _IgnoredGroup(_OptionGroup):
+    """A PopTorch option group whose setters only matter to the IPU compiler."""
+
+    _setters: Sequence[str] = ()
+
+    def __getattr__(self, name: str):
+        if name in self._setters:
+            return lambda *args, **kwargs: self._ignore(name, *args, **kwargs)
+        return super().__getattr__(name)
+
+    def __dir__(self):
+        return list(super().__dir__()) + list(self._setters)
+
+    def toDict(self) -> dict:
+        return dict(self._ignored)
+
+
+class _PrecisionOptions(_IgnoredGroup):
+    _path = "Options.Precision"
+    _setters = ("setPartialsType", "enableStochasticRounding", "halfFloatCasting",
+                "runningStatisticsAlwaysFloat", "enableFloatingPointExceptions",
+                "autocastEnabled", "autocastPolicy")
+
+
+class _JitOptions(_IgnoredGroup):
+    _path = "Options.Jit"
+    _setters = ("traceModel",)
+
+
+class _PopartOptions(_IgnoredGroup):
+    _path = "Options._Popart"
+    _setters = ("setPatterns", "setEngineOptions")
+
+    def set(self, key: str, value: Any):
+        """PopART's raw options; recorded, no effect."""
+        self._check_not_frozen(f"set({key!r}, ...)")
+        self._ignored[key] = _jsonable(value)
+        return self
+
+
+class _DistributedOptions(_IgnoredGroup):
+    _path = "Options.Distributed"
+    _setters = ("setEnvVarNames", "IPUoFConfigFiles")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numProcesses = 1
+        self.processId = 0
+
+    def configureProcessId(self, process_id: int, num_processes: int):
+        self._check_not_frozen(f"configureProcessId({process_id}, {num_processes})")
+        if num_processes != 1:
+            raise OptionsError(
+                f"Options.Distributed.configureProcessId({process_id}, {num_processes}): "
+                "ipukit runs in one process; multi-process (PopDist) runs are not "
+                "supported yet. Use replicationFactor for data parallelism.")
+        return self
+
+
+class Options(_OptionGroup):
+    """The options of a model and its DataLoader, with PopTorch's setters.
+
+    Every setter returns the options, so calls chain:
+    ``Options().deviceIterations(10).replicationFactor(2)``.
+    """
+
+    _path = "Options"
+    _ignored_setters = (
+        "enableExecutableCaching", "useIpuModel", "autoRoundNumIPUs", "enableSyntheticData",
+        "logDir", "syncPattern", "useIpuId", "enableStableNorm",
+        "setAvailableMemoryProportion", "enableProfiling", "showCompilationProgressBar",
+        "logCycleCount", "useOfflineIpuTarget", "updatableNamedBuffers", "maxRepeatLogs",
+        "setExecutionStrategyPhased", "broadcastBuffers", "inputReplicaGrouping",
+        "relaxOptimizerAttributesChecks", "disableModuleNamescope", "anchorTensor",
+        "enableProgressBar", "useIpuModelVersion",
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_iterations = 1
+        self.replication_factor = 1
+        self.output_mode = OutputMode.Default
+        self.output_return_period = 1
+        self.random_seed: Optional[int] = None
+        self.connection_type = ConnectionType.Always
+        self.pipeline_schedule = "1F1B"
+        self.device_mapping: Optional[List[str]] = None
+        self.cpu_threads_per_ipu: Optional[int] = None
+        self.record_timeline = True
+        self.profile_dir: Optional[str] = None
+        self._execution_strategy: PipelinedExecution = PipelinedExecution()
+        self.Training = _TrainingOptions()
+        self.TensorLocations = _TensorLocationOptions()
+        self.Precision = _PrecisionOptions()
+        self.Jit = _JitOptions()
+        self.Distributed = _DistributedOptions()
+        self._Popart = _PopartOptions()
+
+    def __getattr__(self, name: str):
+        if name in Options._ignored_setters:
+            return lambda *args, **kwargs: self._ignore(name, *args, **kwargs)
+        return super().__getattr__(name)
+
+    def __dir__(self):
+        return list(super().__dir__()) + list(self._ignored_setters)
+
+    # -- PopTorch's setters -------------------------------------------------
+    def deviceIterations(self, device_iterations: int) -> "Options":
+        """Iterations (optimiser steps when training) per model call."""
+        self._check_not_frozen(f"deviceIterations({device_iterations!r})")
+        self.device_iterations = _positive_int("Options", "deviceIterations", device_iterations)
+        return self
+
+    def replicationFactor(self, replication_factor: int) -> "Options":
+        """Number of data-parallel replicas of the model."""
+        self._check_not_frozen(f"replicationFactor({replication_factor!r})")
+        self.replication_factor = _positive_int("Options", "replicationFactor", replication_factor)
+        return self
+
+    def outputMode(self, output_mode: OutputMode, output_return_period: Optional[int] = None):
+        """Which micro-batches' outputs a call returns (see :class:`~ipukit.OutputMode`)."""
+        self._check_not_frozen(f"outputMode({output_mode!r})")
+        try:
+            output_mode = OutputMode(output_mode)
+        except ValueError:
+            raise OptionsError(
+                f"Options.outputMode({output_mode!r}): use one of "
+                f"{[m.name for m in OutputMode]} (ipukit.OutputMode.All, ...).") from None
+        if output_mode == OutputMode.EveryN:
+            if output_return_period is None:
+                raise OptionsError(
+                    "Options.outputMode(OutputMode.EveryN) needs output_return_period=N "
+                    "(return the outputs of every N-th micro-batch).")
+            self.output_return_period = _positive_int("Options", "outputMode(output_return_period)",
+                                                      output_return_period)
+        elif output_return_period is not None:
+            # PopTorch ignores the period for other modes; so do we.
+            self.output_return_period = 1
+        self.output_mode = output_mode
+        return self
+
+    def defaultOutputMode(self) -> bool:
+        """True while the output mode is still ``Default``."""
+        return self.output_mode == OutputMode.Default
+
+    def setExecutionStrategy(self, strategy: PipelinedExecution) -> "Options":
+        """Use a :class:`~ipukit.PipelinedExecution` or :class:`~ipukit.ShardedExecution`."""
+        self._check_not_frozen(f"setExecutionStrategy({strategy!r})")
+        if not isinstance(strategy, PipelinedExecution):
+            raise OptionsError(
+                f"Options.setExecutionStrategy({strategy!r}): expected "
+                "ipukit.PipelinedExecution(...) or ipukit.ShardedExecution(...).")
+        self._execution_strategy = strategy
+        return self
+
+    def randomSeed(self, random_seed: int) -> "Options":
+        """Seed torch's random number generator when the model is compiled."""
+        self._check_not_frozen(f"randomSeed({random_seed!r})")
+        self.random_seed = _positive_int("Options", "randomSeed", random_seed, minimum=0)
+        return self
+
+    def connectionType(self, connection_type: ConnectionType) -> "Options":
+        self._check_not_frozen(f"connectionType({connection_type!r})")
+        self.connection_type = ConnectionType(connection_type)
+        return self
+
+    # -- ipukit's additions ---------------------------------------------------
+    def pipelineSchedule(self, schedule: str) -> "Options":
+        """ipukit: the training schedule of a pipelined model: ``"1F1B"`` or ``"GPipe"``.
+
+        ``"1F1B"`` (the default) runs, in the steady state, one forward then one
+        backward on each IPU, as PopART did; ``"GPipe"`` runs all forwards of an
+        accumulation window, then all backwards.
+        """
+        self._check_not_frozen(f"pipelineSchedule({schedule!r})")
+        for name in SCHEDULES:
+            if isinstance(schedule, str) and schedule.lower() == name.lower():
+                self.pipeline_schedule = name
+                return self
+        raise OptionsError(f"Options.pipelineSchedule({schedule!r}): use one of {list(SCHEDULES)}.")
+
+    def deviceMapping(self, devices: Union[Sequence[Union[str, torch.device]], Dict[int, Any]]):
+        """ipukit: the torch device of each virtual IPU.
+
+        A list gives the device of IPU 0, 1, ...; IPUs beyond its end wrap
+        around. The default is the CUDA devices round-robin when present, else CPU.
+        """
+        self._check_not_frozen(f"deviceMapping({devices!r})")
+        if isinstance(devices, dict):
+            n = max(devices) + 1 if devices else 0
+            devices = [str(devices.get(i, "cpu")) for i in range(n)]
+        devices = [str(torch.device(d)) for d in devices]
+        if not devices:
+            raise OptionsError("Options.deviceMapping([]): give at least one device, e.g. ['cpu'].")
+        self.device_mapping = devices
+        return self
+
+    def cpuThreadsPerIpu(self, threads: Optional[int]) -> "Options":
+        """ipukit: intra-op CPU threads of each virtual-IPU worker.
+
+        ``None`` (default) divides the machine's cores among the workers that
+        run at once, so pipelined stages do not oversubscribe the CPU.
+        """
+        self._check_not_frozen(f"cpuThreadsPerIpu({threads!r})")
+        if threads is not None:
+            threads = _positive_int("Options", "cpuThreadsPerIpu", threads)
+        self.cpu_threads_per_ipu = threads
+        return self
+
+    def recordTimeline(self, enabled: bool = True) -> "Options":
+        """ipukit: record a per-IPU timeline of every call (on by default)."""
+        self._check_not_frozen(f"recordTimeline({enabled!r})")
+        self.record_timeline = bool(enabled)
+        return self
+
+    def profileDir(self, path: Optional[str]) -> "Options":
+        """ipukit: write a Chrome trace and an HTML report of each call to ``path``."""
+        self._check_not_frozen(f"profileDir({path!r})")
+        self.profile_dir = None if path is None else str(path)
+        return self
+
+    # -- helpers -----------------------------------------------------------
+    @property
+    def execution_strategy(self) -> PipelinedExecution:
+        return self._execution_strategy
+
+    @property
+    def is_sharded(self) -> bool:
+        return isinstance(self._execution_strategy, ShardedExecution)
+
+    @property
+    def combined_batch_factor(self) -> int:
+        """deviceIterations × replicationFactor × gradientAccumulation."""
+        return (self.device_iterations * self.replication_factor
+                * self.Training.gradient_accumulation)
+
+    def clone(self) -> "Options":
+        """A modifiable deep copy (never frozen)."""
+        clone = copy.deepcopy(self)
+        return clone
+
+    def toDict(self) -> dict:
+        """All options as a JSON-serialisable dict."""
+        d = {
+            "device_iterations": self.device_iterations,
+            "replication_factor": self.replication_factor,
+            "output_mode": self.output_mode.name,
+            "output_return_period": self.output_return_period,
+            "random_seed": self.random_seed,
+            "connection_type": self.connection_type.name,
+            "execution_strategy": self._execution_strategy._to_dict(),
+            "Training": self.Training.toDict(),
+            "TensorLocations": self.TensorLocations.toDict(),
+            "ipukit": {
+                "pipeline_schedule": self.pipeline_schedule,
+                "device_mapping": self.device_mapping,
+                "cpu_threads_per_ipu": self.cpu_threads_per_ipu,
+                "record_timeline": self.record_timeline,
+                "profile_dir": self.profile_dir,
+            },
+        }
+        ignored = dict(self._ignored)
+        for name, group in (("Precision", self.Precision), ("Jit", self.Jit),
+                            ("_Popart", self._Popart), ("Distributed", self.Distributed)):
+            if group._ignored:
+                ignored[name] = group.toDict()
+        if ignored:
+            d["ignored"] = ignored
+        return d
+
+    def __repr__(self) -> str:
+        return f"Options({self.toDict()})"

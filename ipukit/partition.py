@@ -1,0 +1,364 @@
+"""Model → stage modules that share parameters with the user's module.
+
+The model is traced once per input signature with
+``torch.distributed.pipelining.pipeline()``; the :class:`~ipukit.blocks.BlockRecorder`
+inserts ``pipe_split()`` wherever execution moves to another IPU, so the
+splitter cuts exactly at PopTorch's stage boundaries. The resulting stage
+modules hold the user's own ``Parameter`` objects (no copies), so an optimiser
+built on the user's model updates the stages, and an inference model of the
+same module sees every training step.
+
+A model whose trace has one stage is not cut at all: it runs eagerly as one
+stage, so models that cannot be traced still work unpartitioned.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from . import blocks as _blocks
+from .errors import BlockError, PipelineConfigError, TracingError
+from .ops import LossMarks
+from .strategies import PipelinedExecution, ShardedExecution
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a stage argument or a model output comes from.
+
+    ``kind`` is ``"input"`` (flat model input ``index``), ``"stage"`` (output
+    ``item`` of stage ``index``; ``item`` None when the stage returns a single
+    tensor) or ``"const"`` (a Python value fixed at trace time).
+    """
+
+    kind: str
+    index: int = 0
+    item: Optional[int] = None
+    value: Any = None
+
+
+@dataclass
+class StageModule:
+    """One pipeline stage: a module, where its arguments come from, its IPU."""
+
+    index: int
+    ipu: int
+    blocks: List[str]
+    module: torch.nn.Module
+    args: List[Ref]
+    tuple_output: bool
+    parameters: List[torch.nn.Parameter] = field(default_factory=list)
+
+
+@dataclass
+class Partition:
+    """A model cut into stages, plus how to rebuild its outputs."""
+
+    stages: List[StageModule]
+    outputs: List[Ref]               # one per flat output leaf
+    out_spec: Any                    # pytree spec of the model's output
+    loss_output: Optional[int]       # index into ``outputs`` of the loss
+    traced: bool
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def ipus(self) -> List[int]:
+        return sorted({s.ipu for s in self.stages})
+
+    def consumers(self, stage: int) -> List[Tuple[int, int, Optional[int]]]:
+        """(consumer stage, argument position, item) for every use of ``stage``'s outputs."""
+        uses = []
+        for s in self.stages:
+            for pos, ref in enumerate(s.args):
+                if ref.kind == "stage" and ref.index == stage:
+                    uses.append((s.index, pos, ref.item))
+        return uses
+
+
+_SEEN: dict = {}
+
+
+class _FlatModel(torch.nn.Module):
+    """Calls the user's model with flat tensor inputs; returns flat tensor outputs."""
+
+    def __init__(self, model: torch.nn.Module, in_spec, template: Sequence) -> None:
+        super().__init__()
+        weakref.finalize(self, _SEEN.pop, id(self), None)
+        self.model = model
+        self._in_spec = in_spec
+        self._template = list(template)   # non-tensor leaves stay fixed
+        self._tensor_slots = [i for i, v in enumerate(template) if isinstance(v, torch.Tensor)]
+
+    # torch.export restores module state mutated while tracing, so what the
+    # trace learns about the outputs is kept outside the module.
+    @property
+    def out_spec(self):
+        return _SEEN.get(id(self), {}).get("spec")
+
+    @property
+    def out_leaves(self) -> Optional[list]:
+        return _SEEN.get(id(self), {}).get("leaves")
+
+    def forward(self, *tensors):
+        leaves = list(self._template)
+        for slot, t in zip(self._tensor_slots, tensors):
+            leaves[slot] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
+        out = self.model(*args, **kwargs)
+        flat, spec = pytree.tree_flatten(out)
+        _SEEN[id(self)] = {"spec": spec, "leaves": flat}
+        return tuple(v for v in flat if isinstance(v, torch.Tensor))
+
+
+class _OutsideBlockWatch(TorchFunctionMode):
+    """Notes tensor ops that run after a Block closed, outside any block."""
+
+    def __init__(self, recorder: _blocks.BlockRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        rec = self.recorder
+        if rec.closed_a_block and not rec.in_block and isinstance(result, torch.Tensor):
+            rec.ops_outside.append(getattr(func, "__name__", str(func)))
+        return result
+
+
+def _loss_index(flat_model: _FlatModel, marks: LossMarks) -> Optional[int]:
+    """The loss is the output passed through identity_loss, else the last tensor output."""
+    tensor_leaves = [v for v in flat_model.out_leaves if isinstance(v, torch.Tensor)]
+    for marked in reversed(marks.tensors):
+        for i, leaf in enumerate(tensor_leaves):
+            if leaf is marked:
+                return i
+    return len(tensor_leaves) - 1 if tensor_leaves else None
+
+
+def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
+              begins: List[Tuple[str, int]]) -> None:
+    entered = set(recorder.entered)
+    for stage in strategy.stages:
+        missing = [b for b in stage.blocks if b not in entered]
+        if missing:
+            raise BlockError(
+                f"{stage!r} names block(s) {missing} that the model never entered while "
+                f"it was traced (blocks entered: {recorder.entered}). Check the block "
+                "names in your Stages, or whether that code path runs for these inputs.")
+    if len(recorder.segments) > 1 and recorder.ops_outside:
+        ops = ", ".join(sorted(set(recorder.ops_outside))[:6])
+        raise BlockError(
+            f"Tensor operations ({ops}) ran after a Block closed and outside any block, so "
+            "ipukit cannot tell which stage they belong to. Put them inside a "
+            "`with ipukit.Block(...)` scope, or use ipukit.Block.start(...) / "
+            "ipukit.BeginBlock(...), which stay open until the next block begins.")
+    if not isinstance(strategy, ShardedExecution):
+        highest = -1
+        for block, stage_id in begins:
+            if stage_id < highest:
+                raise BlockError(
+                    f"Block {block!r} has stage id {stage_id}, but a block with stage id "
+                    f"{highest} ran before it. In a PipelinedExecution, stage ids must not "
+                    "decrease along the model. Use AutoStage.AutoIncrement, reorder the "
+                    "Stages, or use ShardedExecution.")
+            highest = max(highest, stage_id)
+
+
+def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
+          strategy: PipelinedExecution) -> Partition:
+    """Trace ``model`` on one micro-batch and cut it into stages."""
+    from torch.distributed.pipelining import pipeline
+
+    flat_model = _FlatModel(model, in_spec, flat_inputs)
+    tensors = tuple(v for v in flat_inputs if isinstance(v, torch.Tensor))
+    recorder = _blocks.BlockRecorder(strategy._stage_manager())
+    begins: List[Tuple[str, int]] = []
+    original_begin = recorder.begin
+
+    def begin(user_id, ipu_id):
+        resolved = original_begin(user_id, ipu_id)
+        begins.append((resolved, recorder.assigner.assign(resolved, ipu_id)[0]))
+        return resolved
+
+    recorder.begin = begin
+    previous = _blocks.set_recorder(recorder)
+    marks = LossMarks()
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        with marks, _OutsideBlockWatch(recorder), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = pipeline(flat_model, mb_args=tensors)
+    except (BlockError, PipelineConfigError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the reason
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TracingError(
+            f"ipukit could not trace {type(model).__name__} to split it into stages at its "
+            f"Block boundaries: {type(exc).__name__}: {first}\nAs in PopTorch, a model step "
+            "is traced once and replayed: data-dependent Python control flow, "
+            ".item()/.tolist()/print of tensor values, and in-place changes to module "
+            "attributes cannot be captured. Remove them from forward(), or run the model "
+            "as a single stage (no Blocks).") from exc
+    finally:
+        _blocks.set_recorder(previous)
+        with torch.no_grad():  # tracing must not leave a trace in BatchNorm statistics
+            for name, buf in model.named_buffers():
+                if name in buffers and buf.shape == buffers[name].shape:
+                    buf.copy_(buffers[name])
+
+    _validate(recorder, strategy, begins)
+    loss = _loss_index(flat_model, marks)
+    out_leaves = flat_model.out_leaves
+    if len(recorder.segments) <= 1:
+        return eager(model, flat_inputs, in_spec, out_spec=flat_model.out_spec,
+                     out_leaves=out_leaves, loss=loss,
+                     ipu=recorder.segments[0].ipu if recorder.segments else 0,
+                     blocks=recorder.segments[0].blocks if recorder.segments else [])
+    if pipe.num_stages != len(recorder.segments):
+        raise TracingError(
+            f"The trace has {pipe.num_stages} pieces but the blocks define "
+            f"{len(recorder.segments)} stages; this usually means a Block boundary falls "
+            "inside a function the tracer inlines differently. Move the Block boundaries "
+            "to module boundaries.")
+    return _from_split_graph(pipe, recorder, flat_model, out_leaves, loss)
+
+
+def _from_split_graph(pipe, recorder, flat_model, out_leaves, loss) -> Partition:
+    graph = pipe.split_gm.graph
+    value_of = {}
+    n_inputs = 0
+    stage_nodes = {}
+    stages: List[StageModule] = []
+
+    def ref_of(arg) -> Ref:
+        if isinstance(arg, torch.fx.Node):
+            return value_of[arg]
+        return Ref("const", value=arg)
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            value_of[node] = Ref("input", n_inputs)
+            n_inputs += 1
+        elif node.op == "call_module":
+            k = len(stages)
+            module = pipe.get_stage_module(k)
+            args = [ref_of(a) for a in node.args]
+            if node.kwargs:
+                raise TracingError("ipukit: unexpected keyword arguments between stages")
+            seg = recorder.segments[k]
+            stages.append(StageModule(index=k, ipu=seg.ipu, blocks=list(seg.blocks),
+                                      module=module, args=args, tuple_output=False,
+                                      parameters=list(module.parameters())))
+            stage_nodes[node] = k
+            value_of[node] = Ref("stage", k, None)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            src = value_of[node.args[0]]
+            stages[src.index].tuple_output = True
+            value_of[node] = Ref("stage", src.index, node.args[1])
+        elif node.op == "output":
+            outs = node.args[0]
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            outputs = [ref_of(o) for o in outs]
+    # flat tensor outputs → positions among all leaves
+    all_outputs, it = [], iter(outputs)
+    for leaf in out_leaves:
+        all_outputs.append(next(it) if isinstance(leaf, torch.Tensor) else Ref("const", value=leaf))
+    loss_leaf = _tensor_position_to_leaf(out_leaves, loss)
+    return Partition(stages=stages, outputs=all_outputs, out_spec=flat_model.out_spec,
+                     loss_output=loss_leaf, traced=True)
+
+
+def _tensor_position_to_leaf(out_leaves, tensor_index: Optional[int]) -> Optional[int]:
+    if tensor_index is None:
+        return None
+    seen = -1
+    for i, leaf in enumerate(out_leaves):
+        if isinstance(leaf, torch.Tensor):
+            seen += 1
+            if seen == tensor_index:
+                return i
+    return None
+
+
+def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
+          out_leaves=None, loss: Optional[int] = None, ipu: int = 0,
+          blocks: Optional[List[str]] = None) -> Partition:
+    """A one-stage partition that runs the user's model eagerly (no trace)."""
+    flat_model = _FlatModel(model, in_spec, flat_inputs)
+    n_tensors = sum(isinstance(v, torch.Tensor) for v in flat_inputs)
+    stage = StageModule(index=0, ipu=ipu, blocks=list(blocks or []), module=flat_model,
+                        args=[Ref("input", i) for i in range(n_tensors)], tuple_output=True,
+                        parameters=list(model.parameters()))
+    part = Partition(stages=[stage], outputs=[], out_spec=out_spec, loss_output=None,
+                     traced=False)
+    if out_leaves is not None:
+        _set_eager_outputs(part, out_leaves, loss)
+    return part
+
+
+def _set_eager_outputs(part: Partition, out_leaves, loss_tensor_index: Optional[int]) -> None:
+    outputs, k = [], 0
+    for leaf in out_leaves:
+        if isinstance(leaf, torch.Tensor):
+            outputs.append(Ref("stage", 0, k))
+            k += 1
+        else:
+            outputs.append(Ref("const", value=leaf))
+    part.outputs = outputs
+    part.loss_output = _tensor_position_to_leaf(out_leaves, loss_tensor_index)
+
+
+def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
+    """Run the eager model once without gradients to learn its output structure.
+
+    Used only when the trace failed and the model is run as one stage.
+    """
+    flat_model = part.stages[0].module
+    marks = LossMarks()
+    state = {n: b.detach().clone() for n, b in flat_model.named_buffers()}
+    rng = torch.get_rng_state()
+    try:
+        with marks, torch.no_grad():
+            flat_model(*[v for v in flat_inputs if isinstance(v, torch.Tensor)])
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for n, b in flat_model.named_buffers():
+                b.copy_(state[n])
+    part.out_spec = flat_model.out_spec
+    _set_eager_outputs(part, flat_model.out_leaves, _loss_index(flat_model, marks))
+
+
+@contextlib.contextmanager
+def recording_blocks(strategy: PipelinedExecution):
+    """Record blocks during an eager call (to detect Blocks in an untraceable model)."""
+    recorder = _blocks.BlockRecorder(strategy._stage_manager())
+    recorder_begin = recorder.begin
+
+    def begin(user_id, ipu_id):  # no pipe_split outside a trace
+        if user_id is None:
+            user_id = recorder.assigner.next_auto_id()
+        _, ipu = recorder.assigner.assign(str(user_id), ipu_id)
+        if not recorder.segments or recorder.segments[-1].ipu != ipu:
+            recorder.segments.append(_blocks.Segment(ipu))
+        recorder.in_block = True
+        return user_id
+
+    recorder.begin = begin
+    previous = _blocks.set_recorder(recorder)
+    try:
+        yield recorder
+    finally:
+        _blocks.set_recorder(previous)
+        del recorder_begin

@@ -1,0 +1,192 @@
+"""The schedule model: time a :class:`~ipukit.schedule.Schedule` with given costs.
+
+The model runs the very schedule the executor runs — same lanes, same order,
+same dependencies — with costs instead of work, and returns a
+:class:`~ipukit.Timeline` marked ``modeled``. Costs can be scalars or per-stage
+lists, or come straight from a measured timeline (:func:`costs_from`).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from .schedule import BACKWARD, FORWARD, STEP, Action, Schedule, build
+from .timeline import Event, KIND_NAMES, Timeline
+
+Cost = Union[float, Sequence[float]]
+
+
+def _per_stage(value: Cost, n: int, name: str) -> List[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * n
+    values = [float(v) for v in value]
+    if len(values) != n:
+        raise ValueError(f"{name}: expected one cost per stage ({n}), got {len(values)}")
+    return values
+
+
+def play(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
+         transfers: Optional[Dict[str, Sequence[float]]] = None,
+         start_time: float = 0.0) -> List[List[Tuple[float, float]]]:
+    """Run lanes with per-stage costs; return (start, end) of every action, per lane.
+
+    ``costs[kind][stage]`` is the duration of an action (kind ``"F"``, ``"B"``,
+    ``"S"``); ``transfers[kind][stage]`` is added when that action waits on
+    another stage. Each lane runs its actions in order. A forward waits for the
+    previous stage's forward, a backward for the next stage's backward, and an
+    optimiser step for every lane to finish the iteration's forwards and
+    backwards (the flush).
+    """
+    zero = [0.0] * num_stages
+    transfers = transfers or {}
+    t_fwd = transfers.get(FORWARD, zero)
+    t_bwd = transfers.get(BACKWARD, zero)
+    c_fwd, c_bwd, c_step = costs[FORWARD], costs[BACKWARD], costs.get(STEP, zero)
+    n_lanes = len(lanes)
+    stage_lane = [None] * num_stages
+    n_iter, width = 1, 1
+    for li, lane in enumerate(lanes):
+        for a in lane:
+            if stage_lane[a[1]] is None:
+                stage_lane[a[1]] = li
+            if a[3] >= n_iter:
+                n_iter = a[3] + 1
+            if a[2] >= width:
+                width = a[2] + 1
+    remaining = [0] * n_iter
+    for lane in lanes:
+        for a in lane:
+            if a[0] != STEP:
+                remaining[a[3]] += 1
+    flushed = [None] * n_iter
+    flush_end = [-1.0] * n_iter
+    # end times of forwards / backwards, by stage then (iteration * width + micro-batch)
+    fdone = [[None] * (n_iter * width) for _ in range(num_stages)]
+    bdone = [[None] * (n_iter * width) for _ in range(num_stages)]
+    times: List[List[Tuple[float, float]]] = [[] for _ in lanes]
+    pos = [0] * n_lanes
+    free = [start_time] * n_lanes
+    queue = deque(range(n_lanes))
+    queued = [True] * n_lanes
+    last = num_stages - 1
+    while queue:
+        li = queue.popleft()
+        queued[li] = False
+        lane = lanes[li]
+        append = times[li].append
+        p = pos[li]
+        t = free[li]
+        n = len(lane)
+        while p < n:
+            kind, s, m, it = lane[p]
+            if kind == STEP:
+                dep = flushed[it]
+                if dep is None:
+                    break
+                if dep > t:
+                    t = dep
+                append((t, t + c_step[s]))
+                t += c_step[s]
+                p += 1
+                continue
+            k = it * width + m
+            if kind == FORWARD:
+                if s > 0:
+                    dep = fdone[s - 1][k]
+                    if dep is None:
+                        break
+                    dep += t_fwd[s]
+                    if dep > t:
+                        t = dep
+                begin = t
+                t += c_fwd[s]
+                fdone[s][k] = t
+                wake = stage_lane[s + 1] if s < last else None
+            else:
+                if s < last:
+                    dep = bdone[s + 1][k]
+                    if dep is None:
+                        break
+                    dep += t_bwd[s]
+                    if dep > t:
+                        t = dep
+                begin = t
+                t += c_bwd[s]
+                bdone[s][k] = t
+                wake = stage_lane[s - 1] if s > 0 else None
+            append((begin, t))
+            p += 1
+            if t > flush_end[it]:
+                flush_end[it] = t
+            remaining[it] -= 1
+            if remaining[it] == 0:
+                flushed[it] = flush_end[it]
+                for w in range(n_lanes):
+                    if w != li and not queued[w]:
+                        queue.append(w)
+                        queued[w] = True
+            elif wake is not None and wake != li and not queued[wake]:
+                queue.append(wake)
+                queued[wake] = True
+        pos[li] = p
+        free[li] = t
+    stuck = [str(lanes[i][pos[i]]) for i in range(n_lanes) if pos[i] < len(lanes[i])]
+    if stuck:
+        raise RuntimeError(f"schedule deadlocks: lanes wait at {stuck}")
+    return times
+
+
+def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost = 1.0,
+             backward_cost: Cost = 2.0, transfer_cost: float = 0.0, host_overhead: float = 0.0,
+             step_cost: Cost = 0.0, iterations: int = 1, replicas: int = 1,
+             stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
+             schedule: Optional[Schedule] = None) -> Timeline:
+    """Model one host call of a pipeline and return its (modeled) timeline.
+
+    ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"sharded"`` (training) or
+    ``"inference"``, ``"sharded-inference"``. ``micro_batches`` is the
+    accumulation window (gradientAccumulation; deviceIterations for inference),
+    ``iterations`` the device iterations of a training call. Costs are seconds
+    (or any unit) per micro-batch, scalars or one per stage; ``transfer_cost``
+    is added between stages on different IPUs; ``host_overhead`` is paid once
+    per call before the first micro-batch (what device iterations amortise).
+
+    For equal stage costs and no overheads, GPipe's utilisation is exactly
+    M / (M + N − 1).
+    """
+    N = int(num_stages)
+    fwd = _per_stage(forward_cost, N, "forward_cost")
+    bwd = _per_stage(backward_cost, N, "backward_cost")
+    stp = _per_stage(step_cost, N, "step_cost")
+    if schedule is None:
+        schedule = build(kind, N, micro_batches, iterations, stage_ipus)
+    ipus = schedule.stage_ipus
+    t_fwd = [transfer_cost if s > 0 and ipus[s - 1] != ipus[s] else 0.0 for s in range(N)]
+    t_bwd = [transfer_cost if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0 for s in range(N)]
+    times = play(schedule.lanes, N, {FORWARD: fwd, BACKWARD: bwd, STEP: stp},
+                 {FORWARD: t_fwd, BACKWARD: t_bwd}, start_time=host_overhead)
+    events = []
+    if host_overhead > 0:
+        events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
+    new = tuple.__new__
+    names = KIND_NAMES
+    for replica in range(replicas):
+        for lane, lane_times in zip(schedule.lanes, times):
+            events += [new(Event, (s, names[kind], m, start, end, ipus[s], replica, it, 0))
+                       for (kind, s, m, it), (start, end) in zip(lane, lane_times)]
+    meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": micro_batches,
+            "iterations": iterations, "replicas": replicas,
+            "forward_cost": fwd, "backward_cost": bwd, "step_cost": stp,
+            "transfer_cost": transfer_cost, "host_overhead": host_overhead}
+    if samples is not None:
+        meta["samples"] = samples
+    return Timeline(events, modeled=True, meta=meta)
+
+
+def costs_from(timeline: Timeline, statistic: str = "median") -> Dict[str, List[float]]:
+    """Per-stage forward/backward/step costs measured in ``timeline`` (its medians).
+
+    ``simulate(kind, N, M, **costs_from(measured))`` is "modeled from this machine".
+    """
+    c = timeline.stage_costs(statistic)
+    return {"forward_cost": c["forward"], "backward_cost": c["backward"], "step_cost": c["step"]}
