@@ -1,0 +1,1 @@
+"""Runnable examples: the MNIST pipelining tutorial's model and script."""
