@@ -396,33 +396,36 @@ class CallRunner:
                     self.step(it)
 
     def _run_threads(self, workers: int) -> None:
+        """One thread per (replica, lane); the calling thread steps between iterations.
+
+        The calling thread only ever waits with short timeouts, so Ctrl-C (a
+        KeyboardInterrupt in the main thread) is seen promptly; it then stops
+        the workers between actions and joins them.
+        """
         schedule = self.schedule
         training = self.plan.training
         iterations = schedule.iterations if training else 1
-        barrier = threading.Barrier(workers + 1) if training else None
+        go = [threading.Event() for _ in range(iterations)]
+        finished = threading.Semaphore(0)
         threads_each = self.plan.threads_per_worker or default_threads(workers)
+        exchange = self.exchange
 
         def work(lane_index: int, replica: int, events: List[Event]) -> None:
             torch.set_num_threads(threads_each)
             stash: dict = {}
+            lane = schedule.lanes[lane_index]
             try:
                 with self._grad_mode():
                     for it in range(iterations):
-                        if barrier is not None:
-                            barrier.wait()
-                            actions = [a for a in schedule.lanes[lane_index]
-                                       if a.iteration == it and a.kind != STEP]
-                        else:
-                            actions = schedule.lanes[lane_index]
+                        go[it].wait()
+                        if exchange.aborted:
+                            return
+                        actions = ([a for a in lane if a.iteration == it and a.kind != STEP]
+                                   if training else lane)
                         self._run_actions(actions, replica, stash, events)
-                        if barrier is not None:
-                            barrier.wait()
-            except threading.BrokenBarrierError:
-                self.exchange.abort()
+                        finished.release()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 self._fail(exc)
-                if barrier is not None:
-                    barrier.abort()
 
         threads = []
         for replica in range(self.replicas):
@@ -435,21 +438,25 @@ class CallRunner:
         for t in threads:
             t.start()
         try:
-            if barrier is not None:
-                for it in range(iterations):
-                    barrier.wait()   # workers start iteration `it`
-                    barrier.wait()   # ... and have flushed it
+            for it in range(iterations):
+                go[it].set()
+                done = 0
+                while done < workers:
+                    if finished.acquire(timeout=0.05):
+                        done += 1
+                    elif exchange.aborted:
+                        break
+                if exchange.aborted:
+                    break
+                if training:
                     self.step(it)
-            for t in threads:
-                t.join()
-        except threading.BrokenBarrierError:
-            pass
         except BaseException as exc:  # KeyboardInterrupt, or a failed step
             self._fail(exc)
-            if barrier is not None:
-                barrier.abort()
         finally:
-            self.exchange.abort() if self.error is not None else None
+            if self.error is not None:
+                exchange.abort()
+            for event in go:
+                event.set()
             for t in threads:
                 while t.is_alive():
                     t.join(timeout=0.05)

@@ -136,6 +136,27 @@ class _OutsideBlockWatch(TorchFunctionMode):
         return result
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The first line of the innermost exception: the tracer's own reason."""
+    seen = set()
+    while id(exc) not in seen and (exc.__cause__ or exc.__context__) is not None:
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _own_error(exc: BaseException) -> Optional[BaseException]:
+    """The ipukit error that the tracer wrapped in its own, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (BlockError, PipelineConfigError)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _loss_index(flat_model: _FlatModel, marks: LossMarks) -> Optional[int]:
     """The loss is the output passed through identity_loss, else the last tensor output."""
     tensor_leaves = [v for v in flat_model.out_leaves if isinstance(v, torch.Tensor)]
@@ -202,10 +223,12 @@ def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
     except (BlockError, PipelineConfigError):
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the reason
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        ours = _own_error(exc)
+        if ours is not None:  # an ipukit error raised inside the trace: report it as is
+            raise ours.with_traceback(None) from None
         raise TracingError(
             f"ipukit could not trace {type(model).__name__} to split it into stages at its "
-            f"Block boundaries: {type(exc).__name__}: {first}\nAs in PopTorch, a model step "
+            f"Block boundaries: {_root_cause(exc)}\nAs in PopTorch, a model step "
             "is traced once and replayed: data-dependent Python control flow, "
             ".item()/.tolist()/print of tensor values, and in-place changes to module "
             "attributes cannot be captured. Remove them from forward(), or run the model "

@@ -190,3 +190,190 @@ def costs_from(timeline: Timeline, statistic: str = "median") -> Dict[str, List[
     """
     c = timeline.stage_costs(statistic)
     return {"forward_cost": c["forward"], "backward_cost": c["backward"], "step_cost": c["step"]}
+
+
+# -- modeling a measured run "from this machine" -------------------------------------------
+
+def play_on_cores(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
+                  cores: int, transfers: Optional[Dict[str, Sequence[float]]] = None,
+                  start_time: float = 0.0, replicas: int = 1) -> List[List[List[Tuple[float, float]]]]:
+    """Like :func:`play`, but at most ``cores`` forwards/backwards run at once.
+
+    A CPU runs one worker per lane and replica; when there are more workers
+    than cores, a ready action waits until a core is free (earliest-ready
+    first). Optimiser steps are one host operation in the executor (every
+    stage's step event is the same span), so they do not take a core.
+    Returns ``times[replica][lane]`` = (start, end) per action. With enough
+    cores the result equals :func:`play`'s.
+    """
+    import heapq
+
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    zero = [0.0] * num_stages
+    transfers = transfers or {}
+    shift = {FORWARD: transfers.get(FORWARD, zero), BACKWARD: transfers.get(BACKWARD, zero)}
+    cost = {FORWARD: costs[FORWARD], BACKWARD: costs[BACKWARD], STEP: costs.get(STEP, zero)}
+    workers = [(r, li) for r in range(replicas) for li in range(len(lanes))]
+    remaining: Dict[int, int] = {}
+    for lane in lanes:
+        for a in lane:
+            if a[0] != STEP:
+                remaining[a[3]] = remaining.get(a[3], 0) + replicas
+    flush_end: Dict[int, float] = {}
+    flushed: Dict[int, float] = {}
+    done: Dict[tuple, float] = {}           # (kind, replica, stage, iteration, micro-batch) -> end
+    pos = [0] * len(workers)
+    free = [start_time] * len(workers)
+    times = [[[] for _ in lanes] for _ in range(replicas)]
+    waiting = set(range(len(workers)))      # workers whose next action is not yet queued
+    ready: list = []                        # (ready time, worker) of actions waiting for a core
+    running: list = []                      # (end, worker) of actions holding a core
+
+    def ready_time(w: int) -> Optional[float]:
+        r, li = workers[w]
+        kind, s, m, it = lanes[li][pos[w]]
+        if kind == STEP:
+            dep = flushed.get(it)
+        elif kind == FORWARD and s > 0:
+            dep = done.get((FORWARD, r, s - 1, it, m))
+            dep = None if dep is None else dep + shift[FORWARD][s]
+        elif kind == BACKWARD and s < num_stages - 1:
+            dep = done.get((BACKWARD, r, s + 1, it, m))
+            dep = None if dep is None else dep + shift[BACKWARD][s]
+        else:  # the first stage's forward, the last stage's backward: only lane order
+            dep = free[w]
+        if dep is None:
+            return None
+        return max(dep, free[w])
+
+    def finish(w: int, begin: float, end: float) -> None:
+        r, li = workers[w]
+        kind, s, m, it = lanes[li][pos[w]]
+        times[r][li].append((begin, end))
+        pos[w] += 1
+        free[w] = end
+        if kind != STEP:
+            done[(kind, r, s, it, m)] = end
+            flush_end[it] = max(flush_end.get(it, end), end)
+            remaining[it] -= 1
+            if remaining[it] == 0:
+                flushed[it] = flush_end[it]
+        if pos[w] < len(lanes[li]):
+            waiting.add(w)
+
+    def release() -> None:
+        """Queue every waiting worker whose next action's inputs exist; run steps at once."""
+        progress = True
+        while progress:
+            progress = False
+            for w in sorted(waiting):
+                t = ready_time(w)
+                if t is None:
+                    continue
+                waiting.discard(w)
+                r, li = workers[w]
+                kind, s = lanes[li][pos[w]][:2]
+                if kind == STEP:
+                    finish(w, t, t + cost[STEP][s])
+                    progress = True
+                else:
+                    heapq.heappush(ready, (t, w))
+
+    now = start_time
+    release()
+    while ready or running:
+        while ready and len(running) < cores and ready[0][0] <= now:
+            t, w = heapq.heappop(ready)
+            r, li = workers[w]
+            kind, s = lanes[li][pos[w]][:2]
+            heapq.heappush(running, (now + cost[kind][s], w, now))
+        candidates = [running[0][0]] if running else []
+        if ready and len(running) < cores:
+            candidates.append(ready[0][0])
+        now = max(now, min(candidates))
+        while running and running[0][0] <= now:
+            end, w, begin = heapq.heappop(running)
+            finish(w, begin, end)
+        release()
+    stuck = [str(lanes[workers[w][1]][pos[w]]) for w in range(len(workers))
+             if pos[w] < len(lanes[workers[w][1]])]
+    if stuck:
+        raise RuntimeError(f"schedule deadlocks: lanes wait at {stuck}")
+    return times
+
+
+def _host_spans(measured: Timeline) -> Tuple[float, float]:
+    """Host time before the first and after the last device event of a measured call."""
+    device = measured.device_events()
+    if not device:
+        return 0.0, 0.0
+    first = min(e.start for e in device)
+    last = max(e.end for e in device)
+    host = [e for e in measured.events if e.ipu < 0]
+    before = sum(e.duration for e in host if e.end <= first)
+    after = sum(e.duration for e in host if e.start >= last)
+    return before, after
+
+
+def model_like(measured: Timeline, cores: Optional[int] = None, host: bool = True,
+               statistic: str = "median") -> Timeline:
+    """Model a measured call "from this machine": same schedule, its measured stage costs.
+
+    The schedule (kind, stages, micro-batches, iterations, stage IPUs, replicas)
+    comes from ``measured.meta``; every forward/backward/step costs the stage's
+    ``statistic`` over the measured events; with ``host`` the call's set-up and
+    output-gathering spans are kept, so wall time and utilisation compare like
+    for like. ``cores`` models a CPU that can run at most that many actions at
+    once (see :func:`play_on_cores`); ``None`` means one core per worker.
+    """
+    meta = measured.meta
+    try:
+        kind, N, M = meta["kind"], int(meta["num_stages"]), int(meta["micro_batches"])
+    except KeyError as missing:
+        raise ValueError(f"model_like needs a measured timeline with schedule metadata "
+                         f"(meta lacks {missing}); use ipukit.simulate with explicit costs") from None
+    iterations = int(meta.get("iterations", 1))
+    replicas = int(meta.get("replicas", 1))
+    stage_ipus = meta.get("stage_ipus")
+    schedule = build(kind, N, M, iterations, stage_ipus)
+    c = measured.stage_costs(statistic)
+    if not schedule.training:
+        c["backward"], c["step"] = [0.0] * N, [0.0] * N
+    before, after = _host_spans(measured) if host else (0.0, 0.0)
+    samples = meta.get("samples")
+    if cores is None:
+        tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],
+                      host_overhead=before, iterations=iterations, replicas=replicas,
+                      samples=samples, schedule=schedule)
+    else:
+        tl = _simulate_on_cores(schedule, c, int(cores), before, replicas, samples)
+    if after > 0:
+        end = tl.end
+        tl.events.append(Event(-1, "host", -1, end, end + after, -1, 0, iterations - 1, 0))
+    tl.meta.update({"modeled_from": meta.get("call"), "cores": cores, "statistic": statistic,
+                    "host_after": after})
+    return tl
+
+
+def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int,
+                       host_overhead: float, replicas: int, samples) -> Timeline:
+    N = schedule.num_stages
+    costs = {FORWARD: c["forward"], BACKWARD: c["backward"], STEP: c["step"]}
+    times = play_on_cores(schedule.lanes, N, costs, cores, start_time=host_overhead,
+                          replicas=replicas)
+    ipus = schedule.stage_ipus
+    events = []
+    if host_overhead > 0:
+        events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
+    for replica in range(replicas):
+        for lane, lane_times in zip(schedule.lanes, times[replica]):
+            events += [Event(s, KIND_NAMES[kind], m, start, end, ipus[s], replica, it, 0)
+                       for (kind, s, m, it), (start, end) in zip(lane, lane_times)]
+    meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": schedule.micro_batches,
+            "iterations": schedule.iterations, "replicas": replicas,
+            "forward_cost": c["forward"], "backward_cost": c["backward"], "step_cost": c["step"],
+            "transfer_cost": 0.0, "host_overhead": host_overhead}
+    if samples is not None:
+        meta["samples"] = samples
+    return Timeline(events, modeled=True, meta=meta)

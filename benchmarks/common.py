@@ -1,0 +1,93 @@
+"""Timing helpers, run sizes (full and smoke) and machine facts shared by the suite."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big and how often: the full run aims at stable medians, smoke at seconds."""
+
+    rounds: int              # interleaved A/B rounds
+    steps_per_round: int     # calls timed per round and variant
+    width: int               # balanced model: features per Linear layer
+    layers_per_stage: int    # balanced model: Linear+ReLU layers per stage
+    micro_batch: int         # balanced model: samples per micro-batch
+    micro_batches: int       # balanced model: gradient accumulation (micro-batches per step)
+    stage_counts: tuple      # balanced pipelines measured
+    pipeline_calls: int      # calls timed per pipeline variant
+    device_iterations: tuple
+    di_samples: int          # samples timed per device-iterations variant (4-stage model)
+    tutorial_ga: int         # gradient accumulation of the tutorial model's pipelined runs
+    simulate_micro_batches: int
+    compile_reps: int
+
+
+FULL = Sizes(rounds=15, steps_per_round=20, width=512, layers_per_stage=2, micro_batch=64,
+             micro_batches=16, stage_counts=(2, 4), pipeline_calls=8,
+             device_iterations=(1, 10, 100), di_samples=40_000, tutorial_ga=10,
+             simulate_micro_batches=1024, compile_reps=3)
+
+SMOKE = Sizes(rounds=2, steps_per_round=2, width=32, layers_per_stage=1, micro_batch=8,
+              micro_batches=4, stage_counts=(2,), pipeline_calls=2,
+              device_iterations=(1, 2), di_samples=1_120, tutorial_ga=7,
+              simulate_micro_batches=64, compile_reps=1)
+
+BATCH = 40  # the tutorial's micro-batch size
+
+
+def cores() -> int:
+    """Cores this process may run on (what ipukit divides among its workers)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def machine() -> Dict[str, object]:
+    """Facts that make a result comparable: cores, threads, versions, load."""
+    return {"cores": cores(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "loadavg_start": list(os.getloadavg()),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def timed(fn: Callable[[], object], reps: int) -> List[float]:
+    """Wall time of each of ``reps`` calls of ``fn``."""
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def interleaved(variants: Dict[str, Callable[[], object]], rounds: int,
+                per_round: int) -> Dict[str, List[float]]:
+    """Per-call times of each variant, alternating variants round by round.
+
+    Other work on a shared machine then slows every variant alike, so their
+    ratio stays meaningful even when the absolute times drift.
+    """
+    times: Dict[str, List[float]] = {k: [] for k in variants}
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            times[name] += timed(variants[name], per_round)
+    return times
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def as_dict(sizes: Sizes) -> dict:
+    return asdict(sizes)

@@ -1,0 +1,121 @@
+"""The models the benchmarks run: a balanced pipeline and the tutorial's network.
+
+The balanced model has identical stages (equal compute), so any gap between
+measured and ideal pipelining comes from the executor and the machine, not
+from the model. Its plain ``nn.Sequential`` form feeds the peers (torchgpipe,
+torch.distributed.pipelining) with the very same weights.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ipukit
+from ipukit.examples.mnist import Network, TrainingModelWithLoss, strategy
+
+from .common import BATCH
+
+
+def stage_layers(width: int, layers: int) -> nn.Sequential:
+    """One pipeline stage: ``layers`` × (Linear, ReLU), all the same size."""
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def balanced_sequential(stages: int, width: int, layers: int, seed: int = 0) -> nn.Sequential:
+    """``stages`` identical stages; the same seed gives the same weights in every process."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[stage_layers(width, layers) for _ in range(stages)])
+
+
+class BalancedNet(nn.Module):
+    """The balanced stages, one Block (and virtual IPU) each; the loss in the last block."""
+
+    def __init__(self, body: nn.Sequential):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x, labels):
+        last = len(self.body) - 1
+        for i, stage in enumerate(self.body):
+            with ipukit.Block(f"s{i}", ipu_id=i):
+                x = stage(x)
+                if i == last:
+                    loss = F.cross_entropy(x, labels)
+        return x, loss
+
+
+def balanced_data(width: int, samples: int, seed: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs and class labels (one class per feature): speed, not learning."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, width, generator=g), torch.randint(0, width, (samples,), generator=g)
+
+
+def balanced_ipukit(stages: int, width: int, layers: int, micro_batches: int, *,
+                    sharded: bool = False, schedule: str = "1F1B",
+                    record: bool = True) -> ipukit.PoplarExecutor:
+    """A pipelined (or sharded) training model of the balanced network with SGD."""
+    net = BalancedNet(balanced_sequential(stages, width, layers))
+    opts = ipukit.Options().pipelineSchedule(schedule).recordTimeline(record)
+    opts.Training.gradientAccumulation(micro_batches)
+    if sharded:
+        opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.AutoStage.SameAsIpu))
+    return ipukit.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.01))
+
+
+def tutorial_data(samples: int, seed: int = 2) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MNIST-shaped random images and labels."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, 1, 28, 28, generator=g), torch.randint(0, 10, (samples,), generator=g)
+
+
+def tutorial_single_stage(device_iterations: int = 1, record: bool = True):
+    """The tutorial model on one virtual IPU (all four blocks in one stage), AdamW."""
+    torch.manual_seed(0)
+    net = Network()
+    one_ipu = ipukit.PipelinedExecution(ipukit.Stage(*("B1", "B2", "B3", "B4")).ipu(0))
+    opts = ipukit.Options().deviceIterations(device_iterations).recordTimeline(record)
+    opts.setExecutionStrategy(one_ipu)
+    optimizer = ipukit.optim.AdamW(net.parameters(), lr=0.001)
+    return ipukit.trainingModel(TrainingModelWithLoss(net), opts, optimizer)
+
+
+def tutorial_pipelined(gradient_accumulation: int, device_iterations: int = 1,
+                       sharded: bool = False, record: bool = True):
+    """The tutorial's configuration: B1–B4 on virtual IPUs 0–3, AdamW."""
+    torch.manual_seed(0)
+    net = Network()
+    opts = ipukit.Options().deviceIterations(device_iterations).recordTimeline(record)
+    opts.setExecutionStrategy(strategy(sharded=sharded))
+    opts.Training.gradientAccumulation(gradient_accumulation)
+    optimizer = ipukit.optim.AdamW(net.parameters(), lr=0.001)
+    return ipukit.trainingModel(TrainingModelWithLoss(net), opts, optimizer)
+
+
+class PlainStep:
+    """The hand-written PyTorch training step ipukit's single stage is compared with."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        self.net = copy.deepcopy(Network())
+        self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=0.001)
+        self.loss = nn.CrossEntropyLoss()
+
+    def __call__(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        out = self.net(x)
+        loss = self.loss(out, y)
+        loss.backward()
+        self.optimizer.step()
+        return out, loss
+
+
+__all__ = ["BATCH", "BalancedNet", "PlainStep", "balanced_data", "balanced_ipukit",
+           "balanced_sequential", "stage_layers", "tutorial_data", "tutorial_pipelined",
+           "tutorial_single_stage"]

@@ -1,0 +1,274 @@
+"""PopVision-style plotly figures of timelines, utilisation, memory and training curves.
+
+Every figure is built from plain numbers (a :class:`~ipukit.Timeline`, a
+memory report, a list of dicts), so measured and modeled runs are drawn by the
+same code. Figures use only ``go.Bar``/``go.Scatter`` with numeric axes, so
+they are cheap to rebuild on every slider move and work unchanged inside a
+``go.FigureWidget``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .timeline import Timeline
+
+# PopVision's convention: forward passes green, backward passes red.
+COLOURS = {
+    "forward": "#3a9a4b",
+    "backward": "#d9463e",
+    "step": "#8a8a8a",
+    "host": "#7b93b0",
+    "transfer": "#b8c4d3",
+}
+KIND_ORDER = ("forward", "backward", "step", "transfer", "host")
+LABELS = {"forward": "forward", "backward": "backward", "step": "optimiser step",
+          "transfer": "host ↔ device transfer", "host": "host"}
+MEMORY_PARTS = (
+    ("parameter_bytes", "parameters", "#4c72b0"),
+    ("gradient_accumulator_bytes", "gradient accumulators", "#dd8452"),
+    ("optimizer_state_on_chip_bytes", "optimiser state", "#8172b3"),
+    ("activation_stash_bytes", "activation stash", "#55a868"),
+    ("optimizer_state_host_bytes", "optimiser state (host memory)", "#c8c0e0"),
+)
+_FONT = dict(family="Inter, Helvetica, Arial, sans-serif", size=12)
+
+
+# -- timelines -----------------------------------------------------------------------------
+
+def _track_name(ipu: int, replica: int) -> str:
+    if ipu < 0:
+        return "host"
+    return f"IPU {ipu}" if replica == 0 else f"IPU {ipu} · replica {replica}"
+
+
+def track_order(timeline: Timeline) -> List[str]:
+    """Row names of the Gantt chart, top to bottom: IPU 0 first, its replicas next, host last."""
+    keys = {(e.ipu, e.replica) for e in timeline.events}
+    order = sorted(keys, key=lambda k: (k[0] < 0, k[0], k[1]))
+    names = []
+    for ipu, replica in order:
+        name = _track_name(ipu, replica)
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
+                     legend: bool = True, group: str = "") -> List[go.Bar]:
+    """One horizontal bar trace per kind of work; bars start at ``base`` (ms).
+
+    Columns go in as numpy arrays and the hover text is a template over
+    ``customdata``, so tens of thousands of bars stay quick to build.
+    """
+    t0 = timeline.start
+    by_kind: Dict[str, List] = {}
+    for e in timeline.events:
+        by_kind.setdefault(e.kind, []).append(e)
+    kinds = [k for k in KIND_ORDER if k in by_kind] + sorted(set(by_kind) - set(KIND_ORDER))
+    traces = []
+    for kind in kinds:
+        events = by_kind[kind]
+        # columns: start, end, stage, micro-batch, iteration, call
+        cols = np.array([(e.start, e.end, e.stage, e.micro_batch, e.iteration, e.call)
+                         for e in events], dtype=float)
+        base = (cols[:, 0] - t0) * 1e3
+        width = (cols[:, 1] - cols[:, 0]) * 1e3
+        custom = np.column_stack([cols[:, 2:], base + width])
+        what = LABELS.get(kind, kind)
+        mb = " · micro-batch %{customdata[1]}" if kind in ("forward", "backward") else ""
+        bar = dict(
+            name=what, orientation="h", base=base, x=width,
+            y=np.array([_track_name(e.ipu, e.replica) for e in events]),
+            marker=dict(color=COLOURS.get(kind, "#999999"), line=dict(width=0.5, color="white")),
+            customdata=custom, legendgroup=kind + group, showlegend=legend,
+            hovertemplate=(f"{what}{mb}<br>stage %{{customdata[0]}} · %{{y}}"
+                           "<br>iteration %{customdata[2]} · call %{customdata[3]}"
+                           "<br>%{base:.3f} → %{customdata[4]:.3f} ms (%{x:.3f} ms)<extra></extra>"),
+        )
+        if show_micro_batches:
+            labels = np.where(cols[:, 3] < 0, "", cols[:, 3].astype(int).astype(str))
+            bar.update(text=labels, textposition="inside", insidetextanchor="middle",
+                       textfont=dict(color="white", size=11), cliponaxis=True)
+        traces.append(go.Bar(**bar))
+    return traces
+
+
+def _describe(timeline: Timeline) -> str:
+    meta = timeline.meta
+    parts = []
+    kind = meta.get("kind") or meta.get("schedule")
+    if kind:
+        parts.append(str(kind).upper() if kind in ("gpipe", "1f1b") else str(kind))
+    if meta.get("num_stages"):
+        parts.append(f"{meta['num_stages']} stages")
+    if meta.get("micro_batches"):
+        parts.append(f"{meta['micro_batches']} micro-batches")
+    if timeline.events:
+        parts.append(f"{timeline.wall_time * 1e3:.2f} ms")
+        parts.append(f"utilisation {timeline.utilisation()['overall']:.0%}")
+    return " · ".join(parts)
+
+
+def _gantt_axes(fig: go.Figure, rows: Sequence[str], row: Optional[int] = None) -> None:
+    kw = dict(row=row, col=1) if row is not None else {}
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=list(rows),
+                     autorange="reversed", showgrid=False, **kw)
+    fig.update_xaxes(title_text="time (ms)", rangemode="tozero", zeroline=False, **kw)
+
+
+def timeline_figure(timeline: Timeline, title: Optional[str] = None,
+                    show_micro_batches: bool = True) -> go.Figure:
+    """A PopVision-style Gantt chart: one row per virtual IPU (and the host), time in ms.
+
+    Forward spans are green, backward red, optimiser steps grey; micro-batch
+    numbers are written on the bars (``show_micro_batches``); idle time
+    (pipeline bubbles) is the empty space between bars. The title says whether
+    the timeline was ``measured`` or ``modeled``.
+    """
+    rows = track_order(timeline)
+    heading = title or "Pipeline timeline"
+    detail = _describe(timeline)
+    fig = go.Figure(data=_timeline_traces(timeline, show_micro_batches))
+    fig.update_layout(
+        title=dict(text=f"{heading} — {timeline.label}"
+                   + (f"<br><sup>{detail}</sup>" if detail else "")),
+        barmode="overlay", bargap=0.25, font=_FONT, template="plotly_white",
+        height=max(220, 70 + 46 * len(rows)), margin=dict(l=10, r=10, t=70, b=40),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
+        uniformtext=dict(minsize=8, mode="hide"),
+    )
+    _gantt_axes(fig, rows)
+    return fig
+
+
+def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
+    """Two timelines stacked on a shared time axis, each titled with its label."""
+    rows = [track_order(measured), track_order(modeled)]
+    titles = []
+    for tl in (measured, modeled):
+        detail = _describe(tl)
+        titles.append(f"{tl.label}" + (f" — {detail}" if detail else ""))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=titles, row_heights=[len(rows[0]) or 1, len(rows[1]) or 1])
+    for i, tl in enumerate((measured, modeled), start=1):
+        for trace in _timeline_traces(tl, legend=(i == 1)):
+            fig.add_trace(trace, row=i, col=1)
+        _gantt_axes(fig, rows[i - 1], row=i)
+    fig.update_xaxes(title_text="", row=1, col=1)
+    fig.update_layout(title=dict(text="Measured vs modeled"), barmode="overlay", bargap=0.25,
+                      font=_FONT, template="plotly_white",
+                      height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1]))),
+                      margin=dict(l=10, r=10, t=80, b=40), uniformtext=dict(minsize=8, mode="hide"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0))
+    return fig
+
+
+# -- utilisation ---------------------------------------------------------------------------
+
+def _utilisation_of(source: Union[Timeline, Mapping[str, Any]]) -> Tuple[Dict[Any, float], Optional[float]]:
+    if isinstance(source, Timeline):
+        source = source.utilisation()
+    if "per_ipu" in source:
+        return dict(source["per_ipu"]), source.get("overall")
+    per_ipu = {k: float(v) for k, v in source.items()}    # a bare {ipu: fraction}
+    overall = sum(per_ipu.values()) / len(per_ipu) if per_ipu else None
+    return per_ipu, overall
+
+
+def utilisation_figure(timeline_or_utilisation: Union[Timeline, Mapping[str, Any]],
+                       title: Optional[str] = None) -> go.Figure:
+    """Busy share of each virtual IPU in %, with the overall value in the title and as a line.
+
+    Accepts a :class:`~ipukit.Timeline`, the dict of :meth:`Timeline.utilisation`,
+    or a bare ``{ipu: fraction}``.
+    """
+    per_ipu, overall = _utilisation_of(timeline_or_utilisation)
+    names = [f"IPU {k}" if isinstance(k, int) else str(k) for k in per_ipu]
+    values = [100.0 * v for v in per_ipu.values()]
+    label = ""
+    if isinstance(timeline_or_utilisation, Timeline):
+        label = f" — {timeline_or_utilisation.label}"
+    heading = (title or "Utilisation per virtual IPU") + label
+    if overall is not None:
+        heading += f"<br><sup>overall {100 * overall:.1f}% · bubble {100 * (1 - overall):.1f}%</sup>"
+    fig = go.Figure(go.Bar(x=names, y=values, text=[f"{v:.0f}%" for v in values],
+                           textposition="outside", marker_color="#3a9a4b", name="utilisation",
+                           hovertemplate="%{x}: %{y:.1f}%<extra></extra>"))
+    if overall is not None and names:
+        fig.add_hline(y=100 * overall, line=dict(dash="dash", color="#555555", width=1),
+                      annotation_text=f"overall {100 * overall:.1f}%",
+                      annotation_position="top left")
+    fig.update_layout(title=dict(text=heading), font=_FONT, template="plotly_white",
+                      height=320, margin=dict(l=10, r=10, t=70, b=40), showlegend=False)
+    fig.update_yaxes(title_text="busy (%)", range=[0, 105], ticksuffix="%")
+    fig.update_xaxes(type="category")
+    return fig
+
+
+# -- memory --------------------------------------------------------------------------------
+
+def _unit(max_bytes: float) -> Tuple[str, float]:
+    for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if max_bytes >= size:
+            return name, float(size)
+    return "bytes", 1.0
+
+
+def memory_figure(report) -> go.Figure:
+    """Stacked bars per stage: parameters, gradient accumulators, optimiser state, activations.
+
+    Optimiser state kept in host memory (``TensorLocations`` off chip) is drawn
+    hatched, on top, and named as such. ``report`` is a
+    :class:`~ipukit.memory.MemoryReport` or its ``to_dict()``.
+    """
+    data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
+    stages = data.get("stages", [])
+    names = [f"stage {st['stage']} · IPU {st['ipu']}" for st in stages]
+    totals = [sum(st.get(key, 0) or 0 for key, _, _ in MEMORY_PARTS) for st in stages]
+    unit, size = _unit(max(totals, default=0))
+    fig = go.Figure()
+    for key, label, colour in MEMORY_PARTS:
+        values = [(st.get(key, 0) or 0) / size for st in stages]
+        if not any(values) and key in ("optimizer_state_host_bytes", "gradient_accumulator_bytes",
+                                       "optimizer_state_on_chip_bytes"):
+            continue
+        bar = dict(x=names, y=values, name=label, marker_color=colour,
+                   hovertemplate=f"%{{x}}<br>{label}: %{{y:.3f}} {unit}<extra></extra>")
+        if key == "optimizer_state_host_bytes":
+            bar["marker_pattern_shape"] = "/"
+        fig.add_trace(go.Bar(**bar))
+    kind = data.get("schedule_kind", "")
+    stash = [st.get("micro_batches_in_flight", 0) for st in stages]
+    sub = f"{kind} · {data.get('micro_batches', '')} micro-batches · stash {stash} micro-batches"
+    fig.update_layout(barmode="stack", font=_FONT, template="plotly_white", height=360,
+                      title=dict(text=f"Memory per stage<br><sup>{sub}</sup>"),
+                      margin=dict(l=10, r=10, t=70, b=40),
+                      legend=dict(orientation="h", yanchor="top", y=-0.15))
+    fig.update_yaxes(title_text=unit, rangemode="tozero")
+    fig.update_xaxes(type="category")
+    return fig
+
+
+# -- training curves -----------------------------------------------------------------------
+
+def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
+    """Loss (left axis) and accuracy in % (right axis) against the step."""
+    rows = list(history)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    for key, colour, secondary in (("loss", "#d9463e", False), ("accuracy", "#3a9a4b", True)):
+        points = [(s, r.get(key)) for s, r in zip(steps, rows) if r.get(key) is not None]
+        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[float(p[1]) for p in points],
+                                 mode="lines+markers" if len(points) < 60 else "lines",
+                                 name=key, line=dict(color=colour)), secondary_y=secondary)
+    fig.update_layout(title=dict(text="Training"), font=_FONT, template="plotly_white", height=320,
+                      margin=dict(l=10, r=10, t=50, b=40),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="loss", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(title_text="accuracy (%)", range=[0, 100], secondary_y=True)
+    return fig

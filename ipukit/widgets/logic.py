@@ -1,0 +1,549 @@
+"""The explorer's pure logic: control values in, ipukit objects and figure data out.
+
+Nothing here touches ipywidgets, so every function can be tested without a
+browser. The flow the dashboard follows:
+
+* a :class:`Config` holds the control values (device iterations, gradient
+  accumulation, micro-batch size, stage split, output mode, pipelined or
+  sharded, GPipe or 1F1B, optimiser offload);
+* :func:`training_options` and :func:`strategy_for` turn it into the
+  :class:`ipukit.Options` a real run uses;
+* :func:`modeled_view` times one host call with :func:`ipukit.simulate`, from
+  a :class:`CostTable` (a default table, or per-block costs measured in a
+  run), and returns the numbers and figures of the *modeled* view;
+* :func:`probe` compiles the configuration (no training) so that ipukit
+  itself says whether PopTorch would accept it, and what memory each stage needs;
+* :func:`call_metrics` reads a training call's outputs the way the output
+  mode returned them (which micro-batches the predictions belong to).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..enums import OutputMode
+from ..errors import Error
+from ..options import Options, TensorLocationSettings
+from ..simulate import simulate
+from ..strategies import PipelinedExecution, ShardedExecution, Stage
+from ..timeline import Timeline
+
+OUTPUT_MODES = ("All", "Final", "Sum", "EveryN", "Default")
+SCHEDULES = ("1F1B", "GPipe")
+EXECUTIONS = ("pipelined", "sharded")
+DEFAULT_BLOCKS = ("B1", "B2", "B3", "B4")
+
+#: Host link bandwidth used to model offloaded optimiser state (bytes/s, each way).
+HOST_LINK_BYTES_PER_S = 10e9
+#: Largest number of events drawn in a timeline figure (the metrics use every event).
+MAX_DRAWN_EVENTS = 2500
+
+
+# -- stage splits ------------------------------------------------------------------------
+
+def split_label(blocks: Sequence[str], split: Sequence[int]) -> str:
+    """``("B1".."B4"), (0, 0, 1, 1)`` → ``"B1 B2 | B3 B4"``."""
+    groups: List[List[str]] = []
+    previous = None
+    for block, ipu in zip(blocks, split):
+        if ipu != previous:
+            groups.append([])
+            previous = ipu
+        groups[-1].append(block)
+    return " | ".join(" ".join(g) for g in groups)
+
+
+def contiguous_splits(blocks: Sequence[str] = DEFAULT_BLOCKS) -> "OrderedDict[str, Tuple[int, ...]]":
+    """Every way to cut the blocks into consecutive stages, most stages first.
+
+    Keys are labels such as ``"B1 B2 | B3 B4"``, values the IPU of each block
+    (``(0, 0, 1, 1)``), as :func:`ipukit.examples.mnist.strategy` takes them.
+    """
+    n = len(blocks)
+    splits = []
+    for cuts in itertools.product((1, 0), repeat=max(0, n - 1)):
+        ids, ipu = [0], 0
+        for cut in cuts:
+            ipu += cut
+            ids.append(ipu)
+        splits.append(tuple(ids[:n]))
+    splits.sort(key=lambda s: (-(s[-1] + 1 if s else 0), s))
+    return OrderedDict((split_label(blocks, s), s) for s in splits)
+
+
+def parse_split(label: str, blocks: Sequence[str] = DEFAULT_BLOCKS) -> Tuple[int, ...]:
+    """``"B1 B2 | B3 B4"`` → ``(0, 0, 1, 1)``; the blocks must appear in order, each once."""
+    groups = [g.split() for g in label.split("|")]
+    named = [b for g in groups for b in g]
+    if named != list(blocks) or any(not g for g in groups):
+        raise ValueError(f"split {label!r}: list the blocks {list(blocks)} in order, "
+                         "separating stages with '|'")
+    return tuple(i for i, g in enumerate(groups) for _ in g)
+
+
+# -- the control values ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    """One setting of the dashboard's controls."""
+
+    device_iterations: int = 10
+    gradient_accumulation: int = 10
+    micro_batch_size: int = 40
+    split: str = "B1 | B2 | B3 | B4"
+    output_mode: str = "All"
+    output_return_period: int = 2
+    sharded: bool = False
+    schedule: str = "1F1B"
+    offload_optimizer: bool = False
+    replicas: int = 1
+    learning_rate: float = 0.001
+    blocks: Tuple[str, ...] = DEFAULT_BLOCKS
+
+    @property
+    def split_ids(self) -> Tuple[int, ...]:
+        return parse_split(self.split, self.blocks)
+
+    @property
+    def num_stages(self) -> int:
+        return len(set(self.split_ids))
+
+    @property
+    def stage_blocks(self) -> List[List[str]]:
+        """The blocks of each stage, in order."""
+        out: List[List[str]] = [[] for _ in range(self.num_stages)]
+        for block, ipu in zip(self.blocks, self.split_ids):
+            out[ipu].append(block)
+        return out
+
+    @property
+    def combined_batch(self) -> int:
+        """Samples one host call consumes: micro-batch × DI × GA × replicas."""
+        return (self.micro_batch_size * self.device_iterations * self.gradient_accumulation
+                * self.replicas)
+
+    @property
+    def micro_batches_per_call(self) -> int:
+        """Micro-batches per replica in one call (DI × GA)."""
+        return self.device_iterations * self.gradient_accumulation
+
+    @property
+    def schedule_kind(self) -> str:
+        """The :func:`ipukit.simulate` kind the run will use: sharded, gpipe or 1f1b."""
+        if self.sharded and self.num_stages > 1:
+            return "sharded"
+        return self.schedule.lower()
+
+    @property
+    def resolved_output_mode(self) -> str:
+        """``Default`` is ``Final`` for a training model."""
+        return "Final" if self.output_mode == "Default" else self.output_mode
+
+    def with_(self, **changes) -> "Config":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        execution = "sharded" if self.sharded else f"pipelined {self.schedule}"
+        return (f"{self.split} · {execution} · DI {self.device_iterations} · "
+                f"GA {self.gradient_accumulation} · micro-batch {self.micro_batch_size} · "
+                f"output {self.output_mode}" + (" · optimiser offloaded" if self.offload_optimizer
+                                                else ""))
+
+
+def strategy_for(config: Config) -> PipelinedExecution:
+    """The execution strategy of ``config``: one :class:`~ipukit.Stage` per group of blocks."""
+    if tuple(config.blocks) == DEFAULT_BLOCKS:
+        from ..examples.mnist import strategy
+
+        return strategy(config.split_ids, sharded=config.sharded)
+    stages = [Stage(*names).ipu(ipu) for ipu, names in enumerate(config.stage_blocks)]
+    cls = ShardedExecution if config.sharded else PipelinedExecution
+    return cls(*stages)
+
+
+def training_options(config: Config) -> Options:
+    """The :class:`ipukit.Options` of a training run with these control values.
+
+    Raises :class:`ipukit.Error` for values ipukit's setters reject.
+    """
+    opts = Options().deviceIterations(config.device_iterations)
+    opts.replicationFactor(config.replicas)
+    opts.Training.gradientAccumulation(config.gradient_accumulation)
+    opts.setExecutionStrategy(strategy_for(config))
+    opts.pipelineSchedule(config.schedule)
+    mode = OutputMode[config.output_mode]
+    if mode == OutputMode.EveryN:
+        opts.outputMode(mode, config.output_return_period)
+    else:
+        opts.outputMode(mode)
+    if config.offload_optimizer:
+        opts.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))
+    return opts
+
+
+def inference_options(config: Config, device_iterations: int) -> Options:
+    """Options of an inference model with the same stages (gradient accumulation 1)."""
+    opts = Options().deviceIterations(device_iterations)
+    opts.setExecutionStrategy(strategy_for(config))
+    return opts
+
+
+def host_calls_per_epoch(samples: int, config: Config) -> int:
+    """Host calls in one epoch of ``samples`` (the DataLoader drops the incomplete last batch)."""
+    return int(samples) // config.combined_batch
+
+
+def check_message(exc: BaseException) -> str:
+    """The text the dashboard shows for an error."""
+    name = type(exc).__name__
+    return f"{name}: {exc}"
+
+
+# -- costs --------------------------------------------------------------------------------
+
+# The default cost table of the tutorial's network on one CPU core, in seconds:
+# a fixed cost per action (Python and framework overhead) plus a cost per sample.
+_FIXED = {"forward": 2.5e-4, "backward": 3.0e-4}
+_PER_SAMPLE = {
+    "forward": {"B1": 4.2e-5, "B2": 1.7e-5, "B3": 1.5e-6, "B4": 4.0e-7},
+    "backward": {"B1": 1.1e-5, "B2": 1.3e-5, "B3": 1.5e-6, "B4": 5.0e-7},
+}
+_PER_SAMPLE_OTHER = 1.0e-5          # blocks of other models: all alike
+_STEP = 1.0e-3                      # AdamW on the whole model
+_HOST_FIXED, _HOST_PER_SAMPLE = 1.0e-3, 1.0e-6
+
+
+def default_block_cost(kind: str, block: str, micro_batch_size: int) -> float:
+    """Seconds one micro-batch's ``kind`` pass of ``block`` takes in the default table."""
+    per_sample = _PER_SAMPLE[kind].get(block, _PER_SAMPLE_OTHER)
+    return _FIXED[kind] + per_sample * micro_batch_size
+
+
+@dataclass
+class CostTable:
+    """Per-block costs (seconds per micro-batch) the modeled view times a call with.
+
+    ``micro_batch_size`` is the size the costs hold for; :meth:`at` rescales
+    them to another size with the default table's shape. ``source`` names
+    where they came from (shown in the figure titles).
+    """
+
+    blocks: Tuple[str, ...]
+    forward: Dict[str, float]
+    backward: Dict[str, float]
+    step: float = _STEP
+    host_overhead: float = _HOST_FIXED
+    host_per_sample: float = _HOST_PER_SAMPLE
+    micro_batch_size: int = 40
+    source: str = "default cost table"
+
+    @property
+    def measured(self) -> bool:
+        return self.source != "default cost table"
+
+    def at(self, micro_batch_size: int) -> "CostTable":
+        """The same table for another micro-batch size."""
+        if micro_batch_size == self.micro_batch_size:
+            return self
+
+        def scale(kind: str, block: str, value: float) -> float:
+            old = default_block_cost(kind, block, self.micro_batch_size)
+            return value * default_block_cost(kind, block, micro_batch_size) / old
+
+        return replace(self, micro_batch_size=micro_batch_size,
+                       forward={b: scale("forward", b, v) for b, v in self.forward.items()},
+                       backward={b: scale("backward", b, v) for b, v in self.backward.items()})
+
+    def stage_costs(self, config: Config) -> Dict[str, List[float]]:
+        """Per-stage forward / backward costs of ``config``'s split (sums of its blocks)."""
+        table = self.at(config.micro_batch_size)
+        return {kind: [sum(getattr(table, kind)[b] for b in names) for names in config.stage_blocks]
+                for kind in ("forward", "backward")}
+
+
+def default_costs(blocks: Sequence[str] = DEFAULT_BLOCKS, micro_batch_size: int = 40) -> CostTable:
+    """The default cost table (a fixed cost per pass plus a cost per sample, per block)."""
+    return CostTable(tuple(blocks),
+                     {b: default_block_cost("forward", b, micro_batch_size) for b in blocks},
+                     {b: default_block_cost("backward", b, micro_batch_size) for b in blocks},
+                     micro_batch_size=micro_batch_size)
+
+
+def _share(total: float, kind: str, names: Sequence[str], micro_batch_size: int) -> Dict[str, float]:
+    weights = [default_block_cost(kind, b, micro_batch_size) for b in names]
+    whole = sum(weights) or 1.0
+    return {b: total * w / whole for b, w in zip(names, weights)}
+
+
+def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = None) -> CostTable:
+    """Per-block costs measured in a training call of ``config`` (medians).
+
+    A stage holding one block gives that block's cost directly; a stage of
+    several blocks shares its measured cost among them in the proportions of
+    the default table. The optimiser step and the host's per-call work are
+    measured too.
+    """
+    stage = timeline.stage_costs("median")
+    forward: Dict[str, float] = {}
+    backward: Dict[str, float] = {}
+    groups = config.stage_blocks
+    for s, names in enumerate(groups):
+        f = stage["forward"][s] if s < len(stage["forward"]) else 0.0
+        b = stage["backward"][s] if s < len(stage["backward"]) else 0.0
+        forward.update(_share(f, "forward", names, config.micro_batch_size))
+        backward.update(_share(b, "backward", names, config.micro_batch_size))
+    step = _median([e.duration for e in timeline.events if e.kind == "step"], _STEP)
+    host = [e for e in timeline.events if e.kind == "host"]
+    edge = [e for e in host if e.start <= timeline.start + 1e-12 or e.end >= timeline.end - 1e-12]
+    inner = [e.duration for e in host if e not in edge]      # combining gradients before a step
+    step += _median(inner, 0.0)
+    return CostTable(tuple(config.blocks), forward, backward, step=step,
+                     host_overhead=sum(e.duration for e in edge), host_per_sample=0.0,
+                     micro_batch_size=config.micro_batch_size,
+                     source=source or "costs measured in a run")
+
+
+def _median(values: Sequence[float], default: float) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else default
+
+
+# -- the modeled view ---------------------------------------------------------------------
+
+def optimizer_state_bytes(parameters: int, multiple: float = 2.0) -> int:
+    """AdamW keeps two float32 values per parameter."""
+    return int(parameters * multiple * 4)
+
+
+def offload_step_cost(config: Config, parameters: int) -> float:
+    """Extra seconds per optimiser step to stream offloaded state in and out over the host link."""
+    if not config.offload_optimizer:
+        return 0.0
+    return 2.0 * optimizer_state_bytes(parameters) / HOST_LINK_BYTES_PER_S
+
+
+def modeled_timeline(config: Config, costs: CostTable, parameters: int = 0) -> Timeline:
+    """One host call of ``config``, modeled with :func:`ipukit.simulate`."""
+    n = config.num_stages
+    c = costs.stage_costs(config)
+    step = costs.step + offload_step_cost(config, parameters)
+    host = costs.host_overhead + costs.host_per_sample * config.combined_batch
+    return simulate(config.schedule_kind, n, config.gradient_accumulation,
+                    forward_cost=c["forward"], backward_cost=c["backward"],
+                    step_cost=[step] * n, host_overhead=host,
+                    iterations=config.device_iterations, replicas=config.replicas,
+                    stage_ipus=list(range(n)), samples=config.combined_batch)
+
+
+def clip_for_drawing(timeline: Timeline, max_events: int = MAX_DRAWN_EVENTS) -> Tuple[Timeline, str]:
+    """The first device iterations of ``timeline`` that fit in ``max_events`` bars.
+
+    Returns the timeline to draw and a note ("" when nothing was left out).
+    """
+    if len(timeline.events) <= max_events:
+        return timeline, ""
+    iterations = max((e.iteration for e in timeline.events), default=0) + 1
+    per_iteration = max(1, len(timeline.events) // iterations)
+    keep = max(1, max_events // per_iteration)
+    kept = [e for e in timeline.events if e.iteration < keep]
+    clipped = Timeline(kept, timeline.modeled, dict(timeline.meta))
+    return clipped, f"first {keep} of {iterations} device iterations drawn"
+
+
+@dataclass
+class ModeledView:
+    """Everything the modeled view shows for one configuration."""
+
+    config: Config
+    timeline: Timeline
+    utilisation: Dict[int, float]
+    overall: float
+    bubble: float
+    wall_time: float
+    samples_per_second: float
+    host_calls_per_epoch: int
+    combined_batch: int
+    cost_source: str
+    drawn: Timeline = None
+    drawn_note: str = ""
+
+    @property
+    def title(self) -> str:
+        return f"Modeled call ({self.cost_source})"
+
+    def summary(self) -> Dict[str, Any]:
+        return {"combined batch": self.combined_batch,
+                "host calls per epoch": self.host_calls_per_epoch,
+                "utilisation": self.overall, "bubble": self.bubble,
+                "call time (s)": self.wall_time, "samples/s": self.samples_per_second}
+
+
+def modeled_view(config: Config, costs: CostTable, samples_per_epoch: int,
+                 parameters: int = 0) -> ModeledView:
+    """Model one call of ``config``: timeline, per-stage utilisation, bubble, throughput."""
+    tl = modeled_timeline(config, costs, parameters)
+    u = tl.utilisation()
+    drawn, note = clip_for_drawing(tl)
+    return ModeledView(config=config, timeline=tl, utilisation=dict(u["per_ipu"]),
+                       overall=u["overall"], bubble=u["bubble"], wall_time=tl.wall_time,
+                       samples_per_second=tl.throughput(), combined_batch=config.combined_batch,
+                       host_calls_per_epoch=host_calls_per_epoch(samples_per_epoch, config),
+                       cost_source=costs.source, drawn=drawn, drawn_note=note)
+
+
+def bar_values(utilisation: Dict[int, float]) -> List[float]:
+    """Utilisation per virtual IPU in %, IPU 0 first (what the bar figures draw)."""
+    return [100.0 * utilisation[k] for k in sorted(utilisation)]
+
+
+# -- probing a configuration with ipukit ---------------------------------------------------
+
+@dataclass
+class ProbeResult:
+    """What compiling a configuration (no training) tells: an error, or stages and memory."""
+
+    error: Optional[str] = None
+    error_type: Optional[str] = None
+    report: Any = None                        # ipukit.memory.MemoryReport
+    stage_blocks: List[List[str]] = field(default_factory=list)
+    parameters: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def sample_batch(template: Sequence[torch.Tensor], size: int) -> List[torch.Tensor]:
+    """``size`` copies of one sample's tensors, as views (no memory for large calls)."""
+    return [t.unsqueeze(0).expand(size, *t.shape) for t in template]
+
+
+def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Module], torch.nn.Module],
+          template: Sequence[torch.Tensor],
+          optimizer_factory: Optional[Callable] = None) -> ProbeResult:
+    """Compile ``config`` for ``network`` (wrapped by ``wrap``) and report, without training.
+
+    ipukit itself checks the combination: an :class:`ipukit.Error` comes back
+    as the result's ``error`` text. On success the result holds the memory
+    report of the compiled stages (:func:`ipukit.memory.memory_report`).
+    """
+    from .. import trainingModel
+    from ..memory import memory_report
+
+    try:
+        opts = training_options(config)
+    except Error as exc:
+        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
+    if optimizer_factory is None:
+        from ..optim import AdamW
+
+        optimizer_factory = lambda params: AdamW(params, lr=config.learning_rate)  # noqa: E731
+    model = trainingModel(wrap(network), opts, optimizer_factory(network.parameters()))
+    try:
+        model.compile(*sample_batch(template, config.combined_batch))
+        report = memory_report(model)
+        blocks = [list(st["blocks"]) for st in report.stages]
+        params = sum(p.numel() for p in network.parameters())
+        return ProbeResult(report=report, stage_blocks=blocks, parameters=params)
+    except Error as exc:
+        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
+    finally:
+        model.destroy()
+
+
+# -- reading a training call's outputs ----------------------------------------------------
+
+def returned_micro_batches(config: Config) -> Optional[List[int]]:
+    """Indices (in call order, per replica) of the micro-batches whose outputs a call returns.
+
+    ``None`` for ``Sum`` (outputs are added up, no micro-batch is returned as such).
+    """
+    steps = config.micro_batches_per_call
+    mode = config.resolved_output_mode
+    if mode == "All":
+        return list(range(steps))
+    if mode == "Final":
+        return [steps - 1]
+    if mode == "EveryN":
+        return [s for s in range(steps) if (s + 1) % config.output_return_period == 0]
+    return None
+
+
+def matching_labels(labels: torch.Tensor, config: Config) -> Optional[torch.Tensor]:
+    """The labels of the samples whose predictions the output mode returned."""
+    chosen = returned_micro_batches(config)
+    if chosen is None:
+        return None
+    steps, r, b = config.micro_batches_per_call, config.replicas, config.micro_batch_size
+    grid = labels.reshape(steps, r, b, *labels.shape[1:])
+    return grid[chosen].reshape(-1, *labels.shape[1:])
+
+
+def call_metrics(predictions: torch.Tensor, losses: torch.Tensor, labels: torch.Tensor,
+                 config: Config) -> Dict[str, Any]:
+    """Loss and training accuracy of one call, from what the output mode returned.
+
+    ``predictions`` counts the samples the accuracy was computed from: the
+    combined batch with ``All``, one micro-batch with ``Final``. With ``Sum``
+    the outputs of all micro-batches are added, so there is no accuracy and the
+    loss is the sum divided by the number of micro-batches.
+    """
+    steps = config.micro_batches_per_call * config.replicas
+    losses = losses.detach().float()
+    if config.resolved_output_mode == "Sum":
+        loss = losses.sum().item() / steps
+        return {"loss": loss, "accuracy": None, "predictions": 0}
+    loss = losses.mean().item()
+    wanted = matching_labels(labels, config)
+    n = predictions.shape[0]
+    if wanted is None or wanted.shape[0] != n:
+        return {"loss": loss, "accuracy": None, "predictions": n}
+    correct = (predictions.argmax(dim=1) == wanted).sum().item()
+    return {"loss": loss, "accuracy": 100.0 * correct / n, "predictions": n}
+
+
+def utilisation_record(timeline: Optional[Timeline]) -> Dict[str, Any]:
+    """Per-IPU utilisation, overall and bubble of a measured call (empty before any call)."""
+    if timeline is None or not timeline.events:
+        return {"per_ipu": {}, "overall": 0.0, "bubble": 1.0}
+    u = timeline.utilisation()
+    return {"per_ipu": dict(u["per_ipu"]), "overall": u["overall"], "bubble": u["bubble"]}
+
+
+def format_summary(view: ModeledView, error: Optional[str] = None) -> str:
+    """The modeled view's key numbers as a short HTML table."""
+    per = " · ".join(f"IPU {k}: {100 * v:.0f}%" for k, v in sorted(view.utilisation.items()))
+    rows = [
+        ("combined batch per host call", f"{view.combined_batch:,} samples"),
+        ("host calls per epoch", f"{view.host_calls_per_epoch:,}"),
+        ("modeled utilisation", f"{100 * view.overall:.1f}% ({per})"),
+        ("bubble (idle share)", f"{100 * view.bubble:.1f}%"),
+        ("modeled call time", f"{1e3 * view.wall_time:.2f} ms"),
+        ("modeled throughput", f"{view.samples_per_second:,.0f} samples/s"),
+        ("costs", view.cost_source),
+    ]
+    if view.drawn_note:
+        rows.append(("timeline", view.drawn_note))
+    cells = "".join(f"<tr><td style='padding-right:1em'>{k}</td><td><b>{v}</b></td></tr>"
+                    for k, v in rows)
+    return f"<table style='font-size:90%'>{cells}</table>"
+
+
+def error_html(message: Optional[str]) -> str:
+    """The error box: empty when there is nothing to say."""
+    if not message:
+        return ""
+    import html
+
+    return ("<div style='border-left:4px solid #d9463e;background:#fdecea;padding:6px 10px;"
+            "white-space:pre-wrap;font-size:90%'><b>PopTorch would reject this:</b> "
+            f"{html.escape(message)}</div>")
+
+
+def finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
