@@ -159,7 +159,7 @@ def device_iterations(s: Sizes) -> dict:
                                ("single stage", None, 1)):
         for di in s.device_iterations:
             per_call = BATCH * di * ga
-            calls = max(1, round(s.di_samples / (per_call * (1 if factory else 10))))
+            calls = max(1, round(s.di_samples / per_call))
             model = factory(ga, di) if factory else tutorial_single_stage(di)
             x, y = tutorial_data(per_call)
             rate = _samples_per_second(model, x, y, calls)

@@ -256,15 +256,25 @@ def memory_figure(report) -> go.Figure:
 # -- training curves -----------------------------------------------------------------------
 
 def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
-    """Loss (left axis) and accuracy in % (right axis) against the step."""
+    """Loss (left axis) and accuracy in % (right axis) against the step.
+
+    ``history`` holds dicts with ``step``, ``loss`` and ``accuracy`` (missing or
+    None values are skipped). Accuracy is taken as a percentage, unless every
+    value is at most 1, then as a fraction.
+    """
     rows = list(history)
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
     steps = [r.get("step", i) for i, r in enumerate(rows)]
+    series = {key: [(s, float(r[key])) for s, r in zip(steps, rows) if r.get(key) is not None]
+              for key in ("loss", "accuracy")}
+    if series["accuracy"] and max(v for _, v in series["accuracy"]) <= 1.0:
+        series["accuracy"] = [(s, 100.0 * v) for s, v in series["accuracy"]]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
     for key, colour, secondary in (("loss", "#d9463e", False), ("accuracy", "#3a9a4b", True)):
-        points = [(s, r.get(key)) for s, r in zip(steps, rows) if r.get(key) is not None]
-        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[float(p[1]) for p in points],
+        points = series[key]
+        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points],
                                  mode="lines+markers" if len(points) < 60 else "lines",
-                                 name=key, line=dict(color=colour)), secondary_y=secondary)
+                                 name=key if key == "loss" else "accuracy (%)",
+                                 line=dict(color=colour)), secondary_y=secondary)
     fig.update_layout(title=dict(text="Training"), font=_FONT, template="plotly_white", height=320,
                       margin=dict(l=10, r=10, t=50, b=40),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))

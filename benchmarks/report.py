@@ -1,0 +1,68 @@
+"""results.md (a table per section, goals beside values) and results.json."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List
+
+PROVISIONAL = ("Provisional: measured on a machine whose cores are shared with other work "
+               "(see the load averages); ratios come from interleaved runs, absolute times "
+               "drift with the load.")
+
+
+def _fmt(value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3f}"
+
+
+def _verdict(r: dict) -> str:
+    if r["goal"] is None:
+        return ""
+    return "met" if r["met"] else "**missed**"
+
+
+def markdown(results: Dict[str, dict], info: dict) -> str:
+    """The results as Markdown: machine facts, then one table row per measured number."""
+    lines = ["# ipukit benchmark results", "", f"_{PROVISIONAL}_", "",
+             f"- mode: {info['mode']}; command: `{info['command']}`",
+             f"- cores: {info['cores']}; torch threads: {info['torch_threads']}; "
+             f"torch {info['torch']}; Python {info['python']}; CPU: {info['cpu']}",
+             f"- load average (1, 5, 15 min) at start: {_load(info['loadavg_start'])}; "
+             f"at end: {_load(info['loadavg_end'])}",
+             f"- date: {info['date']}; total {info['seconds']:.0f} s", "",
+             "| section | metric | value | unit | goal | verdict | notes |",
+             "|---|---|---:|---|---|---|---|"]
+    for name, out in results.items():
+        for r in out["rows"]:
+            lines.append(f"| {r['section']} | {r['metric']} | {_fmt(r['value'])} | {r['unit']} | "
+                         f"{r['goal'] or ''} | {_verdict(r)} | {r['note']} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _load(values: List[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def write(results: Dict[str, dict], info: dict, directory: str) -> List[str]:
+    """Write results.md and results.json into ``directory``; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    md = os.path.join(directory, "results.md")
+    js = os.path.join(directory, "results.json")
+    with open(md, "w") as f:
+        f.write(markdown(results, info))
+    with open(js, "w") as f:
+        json.dump({"machine": info, "results": results}, f, indent=1, default=_plain)
+    return [md, js]
+
+
+def _plain(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return repr(value)

@@ -1,0 +1,75 @@
+"""Run the benchmark suite and write results.md and results.json.
+
+    .venv/bin/python -m benchmarks.run            # full run (minutes) → benchmarks/results.*
+    .venv/bin/python -m benchmarks.run --smoke --out /tmp/bench   # seconds, tiny sizes
+    .venv/bin/python -m benchmarks.run --only overhead,recording
+
+Every benchmark runs in this one process (the torch.distributed peer starts
+its own processes), one after another, so all numbers share one machine
+state; the load average is recorded at the start and end.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import List, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a file: python benchmarks/run.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+
+from benchmarks import report  # noqa: E402
+from benchmarks.common import FULL, SMOKE, as_dict, machine  # noqa: E402
+from benchmarks.suite import BENCHMARKS, run_one  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds per benchmark")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: benchmarks/ for full runs; required with --smoke)")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    args = p.parse_args(argv)
+    if args.smoke and args.out is None:
+        p.error("--smoke writes to a scratch folder: give --out DIR (never over results.md)")
+    return args
+
+
+def selected(only: Optional[str]) -> List[str]:
+    if not only:
+        return list(BENCHMARKS)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    return names
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    info = machine()
+    info.update(mode="smoke" if args.smoke else "full", sizes=as_dict(sizes),
+                command="python -m benchmarks.run " + " ".join(argv if argv is not None
+                                                               else sys.argv[1:]))
+    start = time.perf_counter()
+    results = {}
+    for name in selected(args.only):
+        print(f"[bench] {name} ...", flush=True)
+        results[name] = run_one(name, sizes)
+        print(f"[bench] {name}: {results[name]['seconds']:.1f} s", flush=True)
+    info.update(seconds=time.perf_counter() - start, loadavg_end=list(os.getloadavg()))
+    paths = report.write(results, info, args.out or HERE)
+    print(report.markdown(results, info))
+    print("wrote " + ", ".join(paths))
+    failed = [n for n, r in results.items() if "error" in r["details"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
