@@ -6,7 +6,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -83,6 +83,46 @@ def interleaved(variants: Dict[str, Callable[[], object]], rounds: int,
         for name in order:
             times[name] += timed(variants[name], per_round)
     return times
+
+
+def paired_ratio(a: List[float], b: List[float], per_round: int) -> Tuple[float, float]:
+    """(ratio, noise) of variant ``a`` ÷ variant ``b`` from interleaved rounds.
+
+    Each round compares the fastest call of each variant in that round (load
+    on a shared machine only ever slows a call down, so the minimum is the
+    least disturbed sample), pairing each variant with its neighbour in time;
+    the ratio is the median over rounds and the noise half the interquartile
+    range of the round ratios.
+    """
+    ratios = []
+    for k in range(0, min(len(a), len(b)), per_round):
+        ratios.append(min(a[k:k + per_round]) / min(b[k:k + per_round]))
+    if len(ratios) < 4:
+        return median(ratios), float("nan")
+    q = statistics.quantiles(ratios, n=4)
+    return median(ratios), (q[2] - q[0]) / 2
+
+
+def verdict(value: float, noise: float, limit: float, below: bool = True) -> Optional[bool]:
+    """Goal met (True), missed (False), or too close to call given the noise (None)."""
+    if noise == noise and abs(value - limit) < noise:  # noise is not NaN and spans the limit
+        return None
+    return value <= limit if below else value >= limit
+
+
+class threads:
+    """Context manager: run a block with ``n`` intra-op threads, then restore the count."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> "threads":
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.previous)
 
 
 def median(values: List[float]) -> float:

@@ -116,6 +116,36 @@ class PlainStep:
         return out, loss
 
 
+class Tiny(nn.Module):
+    """A 4×4 linear classifier: compute is negligible, so a step's time is host overhead."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, labels):
+        out = self.linear(x)
+        return out, F.cross_entropy(out, labels)
+
+
+def tiny_pair(record: bool = True):
+    """The tiny model as an ipukit training model and as a hand-written step, both SGD."""
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny()
+    wrapped = ipukit.trainingModel(a, ipukit.Options().recordTimeline(record),
+                                   torch.optim.SGD(a.parameters(), lr=0.01))
+    optimizer = torch.optim.SGD(b.parameters(), lr=0.01)
+
+    def plain(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        out, loss = b(x, y)
+        loss.backward()
+        optimizer.step()
+        return out, loss
+
+    return wrapped, plain
+
+
 __all__ = ["BATCH", "BalancedNet", "PlainStep", "balanced_data", "balanced_ipukit",
-           "balanced_sequential", "stage_layers", "tutorial_data", "tutorial_pipelined",
+           "balanced_sequential", "stage_layers", "Tiny", "tiny_pair", "tutorial_data", "tutorial_pipelined",
            "tutorial_single_stage"]

@@ -24,6 +24,8 @@ def _fmt(value: float) -> str:
 def _verdict(r: dict) -> str:
     if r["goal"] is None:
         return ""
+    if r["met"] is None:
+        return "inconclusive (noise spans the goal)"
     return "met" if r["met"] else "**missed**"
 
 

@@ -36,30 +36,45 @@ class Aborted(Exception):
 
 
 class Exchange:
-    """Mailboxes between workers: activations forward, gradients backward."""
+    """Mailboxes between workers: activations forward, gradients backward.
+
+    One slot per message key, each with its own event, so a message wakes
+    only the worker waiting for it.
+    """
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._data: Dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        self._slots: Dict[tuple, list] = {}
         self._aborted = False
 
+    def _slot(self, key: tuple) -> list:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = [None, threading.Event()]
+                if self._aborted:
+                    slot[1].set()
+            return slot
+
     def put(self, key: tuple, value: Any) -> None:
-        with self._cv:
-            self._data[key] = value
-            self._cv.notify_all()
+        slot = self._slot(key)
+        slot[0] = value
+        slot[1].set()
 
     def take(self, key: tuple) -> Any:
-        with self._cv:
-            while key not in self._data:
-                if self._aborted:
-                    raise Aborted()
-                self._cv.wait()
-            return self._data.pop(key)
+        slot = self._slot(key)
+        slot[1].wait()
+        if self._aborted:
+            raise Aborted()
+        with self._lock:
+            del self._slots[key]
+        return slot[0]
 
     def abort(self) -> None:
-        with self._cv:
+        with self._lock:
             self._aborted = True
-            self._cv.notify_all()
+            for slot in self._slots.values():
+                slot[1].set()
 
     @property
     def aborted(self) -> bool:
@@ -256,6 +271,8 @@ class CallRunner:
             if isinstance(src, torch.Tensor) and src.requires_grad:
                 g = self.exchange.take(("G", s, consumer, pos, a.iteration, a.micro_batch, replica))
                 if g is not None:
+                    if g.device != src.device:  # the consumer ran on another device
+                        g = g.to(src.device)
                     incoming[item] = incoming[item] + g if item in incoming else g
         seeds = [outs[i] for i in incoming]
         grads = [incoming[i] for i in incoming]

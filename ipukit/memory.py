@@ -213,12 +213,12 @@ def activation_bytes(model) -> List[int]:
     from .ops import running_on_ipu
 
     part = plan.partition
-    flat = _sample_inputs(model)
+    rng = torch.get_rng_state()
+    buffers = [(b, b.detach().clone()) for st in part.stages for b in st.module.buffers()]
     outputs: Dict[int, tuple] = {}
     result = []
-    buffers = [(b, b.detach().clone()) for st in part.stages for b in st.module.buffers()]
-    rng = torch.get_rng_state()
     try:
+        flat = _sample_inputs(model)
         with torch.enable_grad(), running_on_ipu():
             for st in part.stages:
                 device = plan.device_of(st.index)

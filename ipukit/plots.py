@@ -280,5 +280,6 @@ def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="loss", rangemode="tozero", secondary_y=False)
-    fig.update_yaxes(title_text="accuracy (%)", range=[0, 100], secondary_y=True)
+    fig.update_yaxes(title_text="accuracy (%)", range=[0, 100], tickmode="array",
+                     tickvals=[0, 25, 50, 75, 100], showgrid=False, secondary_y=True)
     return fig

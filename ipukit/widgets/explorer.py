@@ -195,14 +195,14 @@ class PipelineExplorer:
                               self.measured_box])
         update_figure(self.training_figure, plots.loss_accuracy_figure([]))
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
 
     def display(self):
         """Show the dashboard (the explorer also displays itself as a cell's last value)."""
-        self._ipython_display_()
+        from IPython.display import display
+
+        display(self.widget)
 
     # -- the configuration ---------------------------------------------------------------
     @property
@@ -233,10 +233,12 @@ class PipelineExplorer:
                 widget.value = value
         finally:
             self._suspend = False
+        self._run_error = None
         self.refresh()
 
     def _on_change(self, change) -> None:
         if not self._suspend:
+            self._run_error = None          # it was about the previous settings
             self.refresh()
 
     # -- data ----------------------------------------------------------------------------

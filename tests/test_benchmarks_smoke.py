@@ -1,0 +1,41 @@
+"""The benchmark suite runs end to end (tiny sizes) and writes both result files.
+
+Benchmarks are not timed tests: this checks that every benchmark produces its
+numbers, never what the numbers are.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_run_writes_results(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    sys.path.insert(0, REPO)
+    from benchmarks.suite import BENCHMARKS
+
+    assert set(data["results"]) == set(BENCHMARKS)
+    for name, result in data["results"].items():
+        assert "error" not in result["details"], (name, result["details"])
+        values = [r["value"] for r in result["rows"]]
+        assert values and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values), name
+    machine = data["machine"]
+    assert machine["cores"] >= 1 and len(machine["loadavg_end"]) == 3
+    md = (out / "results.md").read_text()
+    assert "| section | metric | value |" in md and "load average" in md
+    assert f"torch {machine['torch']}" in md
+
+
+def test_smoke_refuses_to_overwrite_the_real_results():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--out" in proc.stderr

@@ -1,0 +1,180 @@
+"""The schedule model: textbook utilisation, dependencies, core limits, modeling measured runs."""
+import random
+import time
+from collections import defaultdict
+
+import pytest
+
+import ipukit
+from ipukit import Timeline
+from ipukit.schedule import build
+from ipukit.simulate import model_like, play, play_on_cores
+
+KINDS = ("gpipe", "1f1b", "sharded", "inference", "sharded-inference")
+CASES = [(1, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 16), (6, 2), (8, 32)]
+
+
+def check_respects_schedule(tl: Timeline, cores=None):
+    """No overlap on a track; forward s+1 after s; backward s after s+1; step after flush."""
+    tracks = defaultdict(list)
+    for e in tl.device_events():
+        tracks[(e.replica, e.ipu)].append(e)
+    for events in tracks.values():
+        events.sort(key=lambda e: (e.start, e.end))
+        for a, b in zip(events, events[1:]):
+            assert b.start >= a.end - 1e-12, (a, b)
+    ev = {(e.replica, e.stage, e.kind, e.iteration, e.micro_batch): e for e in tl.device_events()}
+    last = max(e.stage for e in tl.device_events())
+    for (r, s, kind, it, m), e in ev.items():
+        if kind == "forward" and s > 0:
+            assert e.start >= ev[(r, s - 1, "forward", it, m)].end - 1e-12
+        elif kind == "backward":
+            before = (r, s + 1, "backward", it, m) if s < last else (r, s, "forward", it, m)
+            assert e.start >= ev[before].end - 1e-12
+        elif kind == "step":
+            flush = max(x.end for x in tl.device_events() if x.iteration == it and x.kind != "step")
+            assert e.start >= flush - 1e-12
+    if cores is not None:   # never more than `cores` forwards/backwards at one instant
+        spans = [(e.start, e.end) for e in tl.device_events()
+                 if e.kind != "step" and e.end > e.start]
+        points = sorted([(s, 1) for s, _ in spans] + [(t, -1) for _, t in spans],
+                        key=lambda p: (p[0], p[1]))
+        running = 0
+        for _, step in points:
+            running += step
+            assert running <= cores
+
+
+# -- textbook numbers ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "inference"])
+@pytest.mark.parametrize("N,M", CASES)
+def test_pipelines_reach_m_over_m_plus_n_minus_1(kind, N, M):
+    for fwd, bwd in ((1.0, 2.0), (0.3, 0.3)):
+        tl = ipukit.simulate(kind, N, M, forward_cost=fwd, backward_cost=bwd)
+        assert tl.utilisation()["overall"] == pytest.approx(M / (M + N - 1), rel=1e-12)
+        for u in tl.utilisation()["per_ipu"].values():
+            assert u == pytest.approx(M / (M + N - 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "sharded-inference"])
+@pytest.mark.parametrize("N,M", CASES)
+def test_sharded_reaches_one_over_n(kind, N, M):
+    tl = ipukit.simulate(kind, N, M, forward_cost=1.0, backward_cost=2.0)
+    assert tl.utilisation()["overall"] == pytest.approx(1 / N, rel=1e-12)
+
+
+def test_overheads_and_slow_stage_lower_utilisation():
+    base = ipukit.simulate("1f1b", 4, 8).utilisation()["overall"]
+    assert ipukit.simulate("1f1b", 4, 8, host_overhead=2.0).utilisation()["overall"] < base
+    assert ipukit.simulate("1f1b", 4, 8, transfer_cost=0.5).utilisation()["overall"] < base
+    slow = ipukit.simulate("1f1b", 4, 8, forward_cost=[1, 1, 3, 1], backward_cost=[2, 2, 6, 2])
+    # the slow stage paces the pipeline: at least M × its cost, and it is the busiest IPU
+    assert slow.wall_time >= 8 * (3 + 6)
+    per_ipu = slow.utilisation()["per_ipu"]
+    assert max(per_ipu, key=per_ipu.get) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_modeled_timelines_respect_the_schedule(kind):
+    rng = random.Random(kind)
+    N, M = 4, 6
+    tl = ipukit.simulate(kind, N, M, forward_cost=[rng.uniform(0.5, 2) for _ in range(N)],
+                         backward_cost=[rng.uniform(0.5, 3) for _ in range(N)],
+                         step_cost=0.4, transfer_cost=0.1, iterations=2, replicas=2)
+    check_respects_schedule(tl)
+    assert len(tl.device_events()) == 2 * len(build(kind, N, M, 2).actions())
+
+
+def test_simulate_16_stages_1024_micro_batches_is_quick():
+    best = min(_timed(lambda: ipukit.simulate("1f1b", 16, 1024)) for _ in range(3))
+    # ~40 ms on an idle 2-core machine; the bound only catches a change of complexity
+    assert best < 0.5, best
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# -- a CPU with few cores --------------------------------------------------------------------
+
+def _random_case(rng, kind, N, M, iterations=2):
+    costs = {"F": [rng.uniform(0.2, 2) for _ in range(N)], "B": [rng.uniform(0.2, 3) for _ in range(N)],
+             "S": [rng.uniform(0, 0.5) for _ in range(N)]}
+    transfers = {"F": [rng.uniform(0, 0.3) for _ in range(N)],
+                 "B": [rng.uniform(0, 0.3) for _ in range(N)]}
+    return build(kind, N, M, iterations), costs, transfers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_enough_cores_is_exactly_play(kind):
+    rng = random.Random(1)
+    for N, M in ((1, 1), (2, 3), (4, 7), (3, 9)):
+        schedule, costs, transfers = _random_case(rng, kind, N, M)
+        expected = play(schedule.lanes, N, costs, transfers, start_time=0.25)
+        got = play_on_cores(schedule.lanes, N, costs, cores=64, transfers=transfers,
+                            start_time=0.25, replicas=2)
+        assert got[0] == expected and got[1] == expected
+
+
+def test_stages_sharing_an_ipu_play_the_same_with_enough_cores():
+    schedule = build("1f1b", 4, 8, 1, [0, 0, 1, 1])
+    costs = {"F": [1.0, 0.5, 1.5, 1.0], "B": [2.0, 1.0, 3.0, 2.0]}
+    assert play_on_cores(schedule.lanes, 4, costs, cores=2)[0] == play(schedule.lanes, 4, costs)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "inference"])
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_a_core_limit_is_respected_and_costs_time(kind, cores):
+    rng = random.Random(cores)
+    schedule, costs, _ = _random_case(rng, kind, 4, 8)
+    tl_free = ipukit.simulate(kind, 4, 8, costs["F"], costs["B"] if "inf" not in kind else 0.0,
+                              step_cost=costs["S"], iterations=2, schedule=schedule)
+    measured = Timeline(tl_free.events, modeled=False,
+                        meta={"kind": kind, "num_stages": 4, "micro_batches": 8, "iterations": 2})
+    limited = model_like(measured, cores=cores)
+    check_respects_schedule(limited, cores=cores)
+    work = sum(e.duration for e in limited.device_events() if e.kind != "step")
+    assert limited.wall_time >= work / cores - 1e-9
+    assert limited.wall_time >= model_like(measured).wall_time - 1e-9
+
+
+# -- modeling a measured run -----------------------------------------------------------------
+
+def test_model_like_reproduces_a_run_with_known_costs():
+    """A 'measured' timeline whose costs are exactly known is modeled back exactly."""
+    costs = dict(forward_cost=[1.0, 2.0, 1.5], backward_cost=[2.0, 4.0, 3.0], step_cost=0.5)
+    truth = ipukit.simulate("1f1b", 3, 6, iterations=2, **costs)
+    measured = Timeline(truth.events, modeled=False,
+                        meta={"kind": "1f1b", "num_stages": 3, "micro_batches": 6,
+                              "iterations": 2, "replicas": 1, "call": 4})
+    again = model_like(measured)
+    assert again.modeled and again.meta["modeled_from"] == 4
+    assert sorted(again.events) == sorted(truth.events)
+    assert model_like(measured, cores=3).events == again.events   # 3 workers, 3 cores
+
+
+def test_model_like_uses_the_measured_schedule_and_medians():
+    from test_timeline import run_training
+
+    model, tl = run_training(ms=(4.0, 2.0, 2.0), ga=5, di=1)
+    for cores in (None, 2):
+        modeled = model_like(tl, cores=cores)
+        key = lambda e: (e.stage, e.kind, e.micro_batch, e.iteration)  # noqa: E731
+        assert {key(e) for e in modeled.device_events()} == {key(e) for e in tl.device_events()}
+        c = tl.stage_costs()
+        assert modeled.meta["forward_cost"] == c["forward"]
+        assert modeled.meta["backward_cost"] == c["backward"]
+        for e in modeled.device_events():
+            assert e.duration == pytest.approx(c[e.kind][e.stage])
+        # host set-up and output gathering are modeled too: same share of the wall
+        assert modeled.events[0].kind == "host" and modeled.events[-1].kind == "host"
+        check_respects_schedule(modeled, cores=cores)
+    assert model_like(tl, cores=1).wall_time > model_like(tl).wall_time
+
+
+def test_model_like_needs_schedule_metadata():
+    with pytest.raises(ValueError, match="schedule metadata"):
+        model_like(Timeline([], meta={}))

@@ -1,0 +1,248 @@
+"""Measured timelines: what a real pipelined call recorded, and the exports built on it.
+
+The model sleeps a known time per block (forward and backward, releasing the
+GIL), so durations and dependencies can be checked on a busy 2-core machine.
+"""
+import json
+import statistics
+from collections import defaultdict
+
+import jsonschema
+import pytest
+import torch
+import torch.nn as nn
+
+import ipukit
+from ipukit import Event, Timeline
+from helpers import sleep_ms
+
+MS = (6.0, 3.0, 9.0, 3.0)   # sleep per block: unequal on purpose
+TOLERANCE = 0.002           # s: a put() happens just before the sender records its end
+
+
+class SleepStack(nn.Module):
+    """One block per entry of ``ms``: Linear, then a sleep of ``ms[i]`` ms; loss in the last."""
+
+    def __init__(self, ms=MS, width: int = 8):
+        super().__init__()
+        self.ms = tuple(ms)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in self.ms)
+
+    def forward(self, x, y):
+        for i, (layer, ms) in enumerate(zip(self.layers, self.ms)):
+            with ipukit.Block(f"B{i}"):
+                x = sleep_ms(torch.tanh(layer(x)), ms)
+                if i == len(self.layers) - 1:
+                    loss = nn.functional.mse_loss(x, y)
+        return x, loss
+
+
+def pipelined(num_blocks: int, **options):
+    """Options with one Stage per block, each on its own IPU."""
+    opts = ipukit.Options()
+    opts.setExecutionStrategy(ipukit.PipelinedExecution(
+        *[ipukit.Stage(f"B{i}").ipu(i) for i in range(num_blocks)]))
+    for name, value in options.items():
+        if name == "gradientAccumulation":
+            opts.Training.gradientAccumulation(value)
+        else:
+            getattr(opts, name)(value)
+    return opts
+
+
+def run_training(ms=MS, ga=7, di=2, replicas=1, schedule="1F1B", batch=2):
+    net = SleepStack(ms)
+    opts = pipelined(len(ms), gradientAccumulation=ga, deviceIterations=di,
+                     replicationFactor=replicas, pipelineSchedule=schedule)
+    model = ipukit.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.01))
+    n = batch * ga * di * replicas
+    x, y = torch.randn(n, 8), torch.randn(n, 8)
+    model(x, y)      # compiles
+    model(x, y)
+    return model, model.getTimeline()
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_training()
+
+
+def _by(events):
+    return {(e.replica, e.stage, e.kind, e.iteration, e.micro_batch): e for e in events}
+
+
+# -- the measured events ---------------------------------------------------------------------
+
+def test_events_never_overlap_on_a_track(measured):
+    _, tl = measured
+    tracks = defaultdict(list)
+    for e in tl.device_events():
+        tracks[(e.replica, e.ipu)].append(e)
+    assert len(tracks) == 4
+    for events in tracks.values():
+        events.sort(key=lambda e: e.start)
+        for a, b in zip(events, events[1:]):
+            if a.kind == b.kind == "step":
+                continue
+            assert b.start >= a.end, (a, b)
+
+
+def test_every_action_of_the_schedule_ran_exactly_once(measured):
+    model, tl = measured
+    actions = [(e.stage, e.kind, e.micro_batch, e.iteration) for e in tl.device_events()]
+    assert len(actions) == len(set(actions))
+    assert len(actions) == 4 * (2 * 7 + 1) * 2
+
+
+def test_durations_are_real_and_vary(measured):
+    _, tl = measured
+    for s, ms in enumerate(MS):
+        for kind in ("forward", "backward"):
+            d = [e.duration for e in tl.events if e.stage == s and e.kind == kind]
+            assert len(d) == 14
+            assert min(d) >= ms / 1000 * 0.95, (s, kind, min(d))
+            assert statistics.pstdev(d) > 0
+    # stage 0 never waits for another stage's forward: its median is the sleep, plus a little
+    assert MS[0] / 1000 <= tl.stage_costs()["forward"][0] < MS[0] / 1000 + 0.02
+    steps = [e for e in tl.events if e.kind == "step"]
+    assert len(steps) == 4 * 2 and all(e.duration > 0 for e in steps)
+
+
+def test_micro_batches_flow_forward_then_back_in_order(measured):
+    """Finishing order: forward on s+1 ends after forward on s; backward runs in reverse."""
+    _, tl = measured
+    ev = _by(tl.device_events())
+    for (r, s, kind, it, m), e in ev.items():
+        if kind == "forward" and s > 0:
+            assert e.end > ev[(r, s - 1, "forward", it, m)].end
+        if kind == "backward" and s < 3:
+            assert e.end > ev[(r, s + 1, "backward", it, m)].end
+        if kind == "backward" and s == 3:
+            assert e.start >= ev[(r, s, "forward", it, m)].end
+        if kind == "step":
+            last = max(x.end for x in tl.device_events()
+                       if x.iteration == it and x.kind != "step")
+            assert e.start >= last
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "executor bug: CallRunner._run_actions takes the start time before forward()/backward() "
+    "block in Exchange.take(), so a measured span includes the wait for the previous stage "
+    "(see the PopVision report). Remove this mark when the executor records compute only."))
+def test_measured_spans_start_after_their_inputs_exist(measured):
+    """A forward on stage s+1 starts after it ends on stage s; backwards in reverse order."""
+    _, tl = measured
+    ev = _by(tl.device_events())
+    for (r, s, kind, it, m), e in ev.items():
+        if kind == "forward" and s > 0:
+            assert e.start >= ev[(r, s - 1, "forward", it, m)].end - TOLERANCE, e
+        if kind == "backward" and s < 3:
+            assert e.start >= ev[(r, s + 1, "backward", it, m)].end - TOLERANCE, e
+
+
+def test_the_same_schedule_drives_executor_and_model(measured):
+    model, tl = measured
+    modeled = ipukit.simulate(model._schedule.kind, 4, 7, iterations=2,
+                              schedule=model._schedule)
+    key = lambda e: (e.stage, e.kind, e.micro_batch, e.iteration)  # noqa: E731
+    assert {key(e) for e in tl.device_events()} == {key(e) for e in modeled.events}
+    # and each virtual IPU ran its lane in the schedule's order
+    for lane, ipu in zip(model._schedule.lanes, model._schedule.lane_ipus):
+        ran = sorted((e for e in tl.device_events() if e.ipu == ipu), key=lambda e: e.start)
+        kinds = {"F": "forward", "B": "backward", "S": "step"}
+        assert [(e.kind, e.stage, e.micro_batch, e.iteration) for e in ran] == \
+            [(kinds[a.kind], a.stage, a.micro_batch, a.iteration) for a in lane]
+
+
+def test_gpipe_and_replicas_have_their_own_tracks():
+    model, tl = run_training(ms=(2.0, 2.0), ga=3, di=1, replicas=2, schedule="GPipe")
+    assert tl.tracks() == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    names = {e.track for e in tl.device_events()}
+    assert names == {"IPU 0", "IPU 1", "IPU 0 · replica 1", "IPU 1 · replica 1"}
+    for r in (0, 1):   # GPipe: every forward of the window before the first backward
+        for s in (0, 1):
+            ev = [e for e in tl.device_events() if (e.replica, e.stage) == (r, s)
+                  and e.kind != "step"]
+            last_f = max(e.end for e in ev if e.kind == "forward")
+            assert all(e.start >= last_f for e in ev if e.kind == "backward")
+    assert set(tl.utilisation()["per_track"]) == names
+
+
+# -- metrics on hand-made timelines ----------------------------------------------------------
+
+def _handmade():
+    return Timeline([
+        Event(-1, "host", -1, 0.0, 1.0, -1),
+        Event(0, "forward", 0, 1.0, 3.0, 0), Event(0, "backward", 0, 6.0, 8.0, 0),
+        Event(1, "forward", 0, 3.0, 4.0, 1), Event(1, "backward", 0, 4.0, 6.0, 1),
+        Event(0, "step", -1, 8.0, 9.0, 0), Event(1, "step", -1, 8.0, 9.0, 1),
+    ], meta={"samples": 18, "kind": "gpipe", "num_stages": 2, "micro_batches": 1})
+
+
+def test_utilisation_throughput_and_costs_by_hand():
+    tl = _handmade()
+    assert tl.wall_time == 9.0
+    u = tl.utilisation()
+    assert u["per_ipu"] == {0: 5 / 9, 1: 4 / 9}
+    assert u["overall"] == pytest.approx(9 / 18) and u["bubble"] == pytest.approx(0.5)
+    assert tl.throughput() == pytest.approx(2.0)
+    assert tl.stage_costs() == {"forward": [2.0, 1.0], "backward": [2.0, 2.0], "step": [1.0, 1.0]}
+    assert ipukit.costs_from(tl)["forward_cost"] == [2.0, 1.0]
+
+
+def test_concat_and_shifted_keep_durations():
+    tl = _handmade()
+    both = Timeline.concat([tl, tl.shifted(100.0)])
+    assert both.wall_time == pytest.approx(18.0)
+    assert sorted(e.duration for e in both.events) == sorted(2 * [e.duration for e in tl.events])
+    assert {e.call for e in both.events} == {0, 1}
+
+
+# -- the Chrome trace ------------------------------------------------------------------------
+
+TRACE_SCHEMA = {
+    "type": "object",
+    "required": ["traceEvents"],
+    "properties": {
+        "displayTimeUnit": {"enum": ["ms", "ns"]},
+        "traceEvents": {
+            "type": "array", "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["ph", "name", "pid", "tid"],
+                "properties": {
+                    "ph": {"enum": ["X", "M"]},
+                    "name": {"type": "string"},
+                    "pid": {"type": "integer", "minimum": 0},
+                    "tid": {"type": "integer", "minimum": 0},
+                    "ts": {"type": "number", "minimum": 0},
+                    "dur": {"type": "number", "minimum": 0},
+                    "args": {"type": "object"},
+                },
+                "if": {"properties": {"ph": {"const": "X"}}},
+                "then": {"required": ["ts", "dur", "cat"]},
+                "else": {"required": ["args"]},
+            },
+        },
+    },
+}
+
+
+def test_chrome_trace_is_valid_with_one_track_per_virtual_ipu(measured, tmp_path):
+    _, tl = measured
+    path = tmp_path / "trace.json"
+    tl.to_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    jsonschema.validate(trace, TRACE_SCHEMA)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(tl.events)
+    device = [e for e in spans if e["args"]["stage"] >= 0]
+    assert len({(e["pid"], e["tid"]) for e in device}) == len(tl.tracks()) == 4
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {names[(e["pid"], e["tid"])] for e in device} == {f"IPU {i}" for i in range(4)}
+    one = max(tl.device_events(), key=lambda e: e.duration)
+    match = [e for e in device if e["args"]["stage"] == one.stage and e["cat"] == one.kind
+             and e["args"]["micro_batch"] == one.micro_batch
+             and e["args"]["iteration"] == one.iteration]
+    assert len(match) == 1 and match[0]["dur"] == pytest.approx(one.duration * 1e6, abs=0.01)

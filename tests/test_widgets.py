@@ -1,0 +1,371 @@
+"""The explorer's logic (pure functions) and the dashboard driven headlessly."""
+import threading
+import time
+
+import pytest
+import torch
+
+import ipukit
+from ipukit.examples.mnist import BLOCKS, Network, TrainingModelWithLoss
+from ipukit.widgets import logic
+from ipukit.widgets.logic import Config, CostTable
+
+
+def equal_costs(blocks=BLOCKS, forward=1.0, backward=2.0):
+    return CostTable(tuple(blocks), {b: forward for b in blocks}, {b: backward for b in blocks},
+                     step=0.0, host_overhead=0.0, host_per_sample=0.0)
+
+
+# -- splits and configurations -------------------------------------------------------------
+
+def test_contiguous_splits_most_stages_first():
+    splits = logic.contiguous_splits(BLOCKS)
+    assert len(splits) == 8
+    labels = list(splits)
+    assert labels[0] == "B1 | B2 | B3 | B4" and splits[labels[0]] == (0, 1, 2, 3)
+    assert labels[-1] == "B1 B2 B3 B4" and splits[labels[-1]] == (0, 0, 0, 0)
+    assert splits["B1 B2 | B3 B4"] == (0, 0, 1, 1)
+    assert splits["B1 B2 B3 | B4"] == (0, 0, 0, 1)
+    stages = [max(s) + 1 for s in splits.values()]
+    assert stages == sorted(stages, reverse=True)
+    for label, split in splits.items():
+        assert logic.parse_split(label) == split
+        assert logic.split_label(BLOCKS, split) == label
+
+
+@pytest.mark.parametrize("label", ["B2 | B1 | B3 | B4", "B1 | | B2 B3 B4", "B1 B2 B3"])
+def test_parse_split_rejects_bad_labels(label):
+    with pytest.raises(ValueError):
+        logic.parse_split(label)
+
+
+def test_config_derived_values():
+    c = Config(device_iterations=10, gradient_accumulation=10, micro_batch_size=40)
+    assert c.combined_batch == 4000
+    assert c.num_stages == 4 and c.schedule_kind == "1f1b"
+    assert c.with_(schedule="GPipe").schedule_kind == "gpipe"
+    assert c.with_(sharded=True).schedule_kind == "sharded"
+    assert c.with_(split="B1 B2 | B3 B4").stage_blocks == [["B1", "B2"], ["B3", "B4"]]
+    assert c.with_(output_mode="Default").resolved_output_mode == "Final"
+    assert logic.host_calls_per_epoch(60000, c) == 15
+    assert logic.host_calls_per_epoch(60000, c.with_(device_iterations=1)) == 150
+
+
+def test_training_options_follow_the_controls():
+    c = Config(device_iterations=3, gradient_accumulation=9, split="B1 B2 | B3 B4",
+               output_mode="EveryN", output_return_period=3, schedule="GPipe",
+               offload_optimizer=True)
+    opts = logic.training_options(c)
+    assert opts.device_iterations == 3
+    assert opts.Training.gradient_accumulation == 9
+    assert opts.output_mode == ipukit.OutputMode.EveryN and opts.output_return_period == 3
+    assert opts.pipeline_schedule == "GPipe"
+    assert not opts.TensorLocations.on_chip("optimizer")
+    strategy = opts.execution_strategy
+    assert type(strategy) is ipukit.PipelinedExecution
+    assert [s.blocks for s in strategy.stages] == [["B1", "B2"], ["B3", "B4"]]
+    sharded = logic.training_options(c.with_(sharded=True, output_mode="All"))
+    assert isinstance(sharded.execution_strategy, ipukit.ShardedExecution)
+    assert sharded.output_mode == ipukit.OutputMode.All
+    assert logic.training_options(Config()).TensorLocations.on_chip("optimizer")
+
+
+def test_custom_blocks_get_a_generic_strategy():
+    c = Config(blocks=("a", "b", "c"), split="a b | c")
+    strategy = logic.strategy_for(c)
+    assert [s.blocks for s in strategy.stages] == [["a", "b"], ["c"]]
+
+
+# -- the modeled view --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ga", [7, 10, 32])
+def test_gpipe_with_equal_costs_matches_the_formula(ga):
+    c = Config(gradient_accumulation=ga, device_iterations=1, schedule="GPipe")
+    view = logic.modeled_view(c, equal_costs(), 60000)
+    n = 4
+    assert view.overall == pytest.approx(ga / (ga + n - 1))
+    assert view.bubble == pytest.approx(1 - ga / (ga + n - 1))
+    assert sorted(view.utilisation) == [0, 1, 2, 3]
+
+
+def test_more_gradient_accumulation_raises_modeled_utilisation():
+    base = Config(device_iterations=1)
+    costs = logic.default_costs()
+    values = [logic.modeled_view(base.with_(gradient_accumulation=ga), costs, 60000).overall
+              for ga in (7, 14, 28, 56)]
+    assert values == sorted(values) and values[-1] > values[0]
+
+
+def test_device_iterations_amortise_host_overhead():
+    costs = equal_costs()
+    costs.host_overhead = 50.0
+    u = [logic.modeled_view(Config(device_iterations=di), costs, 60000).overall
+         for di in (1, 4, 16)]
+    assert u[0] < u[1] < u[2]
+
+
+def test_sharded_runs_one_ipu_at_a_time():
+    view = logic.modeled_view(Config(sharded=True), equal_costs(), 60000)
+    assert view.overall == pytest.approx(0.25)
+    assert all(v == pytest.approx(0.25) for v in view.utilisation.values())
+
+
+def test_balanced_split_beats_an_unbalanced_one_with_default_costs():
+    costs = logic.default_costs()
+    four = logic.modeled_view(Config(split="B1 | B2 | B3 | B4"), costs, 60000)
+    two = logic.modeled_view(Config(split="B1 | B2 B3 B4", gradient_accumulation=10), costs, 60000)
+    assert two.overall > four.overall
+
+
+def test_modeled_view_numbers():
+    c = Config(device_iterations=2, gradient_accumulation=8, micro_batch_size=16)
+    view = logic.modeled_view(c, logic.default_costs(), 60000)
+    assert view.combined_batch == 256
+    assert view.host_calls_per_epoch == 60000 // 256
+    assert view.timeline.modeled and view.wall_time > 0
+    assert view.samples_per_second == pytest.approx(256 / view.wall_time)
+    assert view.title.startswith("Modeled") and "default cost table" in view.title
+    assert logic.bar_values(view.utilisation) == [100 * view.utilisation[k] for k in range(4)]
+    html = logic.format_summary(view)
+    assert "256 samples" in html and "host calls per epoch" in html
+
+
+def test_offload_adds_step_time():
+    c = Config()
+    costs = logic.default_costs()
+    on = logic.modeled_timeline(c, costs, parameters=90_000)
+    off = logic.modeled_timeline(c.with_(offload_optimizer=True), costs, parameters=90_000)
+    assert off.wall_time > on.wall_time
+
+
+def test_cost_table_scales_with_micro_batch_size():
+    costs = logic.default_costs(micro_batch_size=40)
+    assert costs.at(40) is costs
+    bigger = costs.at(80)
+    assert all(bigger.forward[b] > costs.forward[b] for b in BLOCKS)
+    assert bigger.forward["B1"] == pytest.approx(logic.default_block_cost("forward", "B1", 80))
+
+
+def test_costs_from_run_recover_per_block_costs():
+    c = Config(device_iterations=2, gradient_accumulation=8)
+    truth = {"forward_cost": [1.0, 2.0, 3.0, 4.0], "backward_cost": [2.0, 4.0, 6.0, 8.0]}
+    measured = ipukit.simulate("1f1b", 4, 8, iterations=2, **truth)
+    costs = logic.costs_from_run(measured, c)
+    assert [costs.forward[b] for b in BLOCKS] == pytest.approx(truth["forward_cost"])
+    assert [costs.backward[b] for b in BLOCKS] == pytest.approx(truth["backward_cost"])
+    assert costs.measured and costs.source == "costs measured in a run"
+    # the same costs give the same stage costs back for the same split
+    assert costs.stage_costs(c)["forward"] == pytest.approx(truth["forward_cost"])
+    # grouped stages: the stage cost is shared among its blocks, the sum is kept
+    g = c.with_(split="B1 B2 | B3 B4")
+    two = ipukit.simulate("1f1b", 2, 8, iterations=2, forward_cost=[3.0, 7.0], backward_cost=1.0)
+    shared = logic.costs_from_run(two, g)
+    assert shared.forward["B1"] + shared.forward["B2"] == pytest.approx(3.0)
+    assert shared.forward["B1"] > shared.forward["B2"]     # B1 is the heavier block by default
+
+
+def test_large_calls_are_clipped_for_drawing():
+    c = Config(device_iterations=64, gradient_accumulation=64)
+    view = logic.modeled_view(c, logic.default_costs(), 60000)
+    assert len(view.timeline.events) > logic.MAX_DRAWN_EVENTS
+    assert len(view.drawn.events) <= logic.MAX_DRAWN_EVENTS
+    assert "device iterations drawn" in view.drawn_note
+    small = logic.modeled_view(Config(), logic.default_costs(), 60000)
+    assert small.drawn is small.timeline and small.drawn_note == ""
+
+
+# -- output modes ----------------------------------------------------------------------------
+
+def test_returned_micro_batches_per_output_mode():
+    c = Config(device_iterations=2, gradient_accumulation=3)
+    assert logic.returned_micro_batches(c.with_(output_mode="All")) == list(range(6))
+    assert logic.returned_micro_batches(c.with_(output_mode="Final")) == [5]
+    assert logic.returned_micro_batches(c.with_(output_mode="Default")) == [5]
+    assert logic.returned_micro_batches(c.with_(output_mode="EveryN",
+                                                output_return_period=2)) == [1, 3, 5]
+    assert logic.returned_micro_batches(c.with_(output_mode="Sum")) is None
+
+
+def test_call_metrics_use_the_matching_labels():
+    c = Config(device_iterations=2, gradient_accumulation=3, micro_batch_size=2)
+    labels = torch.arange(12) % 10
+    perfect = torch.nn.functional.one_hot(labels, 10).float()
+    all_ = logic.call_metrics(perfect, torch.ones(6), labels, c.with_(output_mode="All"))
+    assert all_ == {"loss": 1.0, "accuracy": 100.0, "predictions": 12}
+    final = logic.call_metrics(perfect[-2:], torch.tensor(0.5), labels,
+                               c.with_(output_mode="Final"))
+    assert final["predictions"] == 2 and final["accuracy"] == 100.0
+    every = c.with_(output_mode="EveryN", output_return_period=3)
+    chosen = torch.cat([perfect[4:6], perfect[10:12]])
+    assert logic.call_metrics(chosen, torch.ones(2), labels, every)["accuracy"] == 100.0
+    wrong = logic.call_metrics(perfect[:4], torch.ones(2), labels, every)
+    assert wrong["accuracy"] < 100.0
+    summed = logic.call_metrics(perfect[:2] * 6, torch.tensor(6.0), labels,
+                                c.with_(output_mode="Sum"))
+    assert summed == {"loss": 1.0, "accuracy": None, "predictions": 0}
+
+
+def test_error_html_escapes_and_is_empty_without_message():
+    assert logic.error_html(None) == ""
+    html = logic.error_html("GA <3> too small")
+    assert "&lt;3&gt;" in html and "reject" in html
+
+
+# -- probing with ipukit -------------------------------------------------------------------
+
+TEMPLATE = [torch.zeros(1, 28, 28), torch.zeros((), dtype=torch.long)]
+
+
+def test_probe_reports_what_popTorch_rejects():
+    net = Network()
+    bad = logic.probe(Config(gradient_accumulation=3, device_iterations=1), net,
+                      TrainingModelWithLoss, TEMPLATE)
+    assert not bad.ok and bad.error_type == "PipelineConfigError"
+    assert "gradientAccumulation" in bad.error and "(7)" in bad.error
+    # the same module can be probed again right away: the probe unwraps it
+    period = logic.probe(Config(device_iterations=2, gradient_accumulation=8,
+                                output_mode="EveryN", output_return_period=3), net,
+                         TrainingModelWithLoss, TEMPLATE)
+    assert not period.ok and "divide" in period.error
+    sharded = logic.probe(Config(gradient_accumulation=3, device_iterations=1, sharded=True),
+                          net, TrainingModelWithLoss, TEMPLATE)
+    assert sharded.ok
+
+
+def test_probe_gives_a_memory_report_per_stage():
+    net = Network()
+    ok = logic.probe(Config(split="B1 B2 | B3 B4", gradient_accumulation=8, device_iterations=1,
+                            micro_batch_size=8), net, TrainingModelWithLoss, TEMPLATE)
+    assert ok.ok and ok.stage_blocks == [["B1", "B2"], ["B3", "B4"]]
+    assert ok.parameters == sum(p.numel() for p in net.parameters())
+    stages = ok.report.stages
+    assert [st["parameters"] for st in stages] == [260 + 5020, 82176 + 2570]
+    offloaded = logic.probe(Config(split="B1 B2 | B3 B4", gradient_accumulation=8,
+                                   device_iterations=1, micro_batch_size=8,
+                                   offload_optimizer=True), net, TrainingModelWithLoss, TEMPLATE)
+    assert (offloaded.report.total("optimizer_state_on_chip_bytes") == 0
+            < ok.report.total("optimizer_state_on_chip_bytes"))
+
+
+def test_all_and_final_outputs_of_a_real_call():
+    """All returns a prediction per sample of the combined batch; Final only the last micro-batch."""
+    c = Config(device_iterations=2, gradient_accumulation=7, micro_batch_size=4)
+    x = torch.randn(c.combined_batch, 1, 28, 28)
+    y = torch.randint(0, 10, (c.combined_batch,))
+    counts = {}
+    for mode in ("All", "Final"):
+        cfg = c.with_(output_mode=mode)
+        net = Network()
+        model = ipukit.trainingModel(TrainingModelWithLoss(net), logic.training_options(cfg))
+        preds, losses = model(x, y)
+        metrics = logic.call_metrics(preds, losses, y, cfg)
+        counts[mode] = metrics["predictions"]
+        assert metrics["accuracy"] is not None
+        model.destroy()
+    assert counts == {"All": c.combined_batch, "Final": c.micro_batch_size}
+
+
+# -- the dashboard, headless -------------------------------------------------------------------
+
+@pytest.fixture
+def explorer():
+    pytest.importorskip("ipywidgets")
+    from ipukit.widgets import PipelineExplorer
+
+    g = torch.Generator().manual_seed(0)
+    train = torch.utils.data.TensorDataset(torch.randn(960, 1, 28, 28, generator=g),
+                                           torch.randint(0, 10, (960,), generator=g))
+    test = torch.utils.data.TensorDataset(torch.randn(160, 1, 28, 28, generator=g),
+                                          torch.randint(0, 10, (160,), generator=g))
+    ex = PipelineExplorer(train_dataset=train, test_dataset=test, calls=2,
+                          config=Config(device_iterations=2, gradient_accumulation=8,
+                                        micro_batch_size=8))
+    yield ex
+    ex.close()
+
+
+def test_update_figure_replaces_traces():
+    import plotly.graph_objects as go
+
+    from ipukit.widgets.explorer import update_figure
+
+    w = go.FigureWidget()
+    update_figure(w, go.Figure([go.Bar(y=[1, 2]), go.Scatter(y=[1])], layout=dict(title="a")))
+    assert [t.type for t in w.data] == ["bar", "scatter"] and w.layout.title.text == "a"
+    update_figure(w, go.Figure([go.Bar(y=[3])], layout=dict(title="b")))
+    assert [t.type for t in w.data] == ["bar"] and w.layout.title.text == "b"
+
+
+def test_explorer_modeled_view_follows_controls(explorer):
+    assert explorer.last_error is None
+    assert explorer.config.combined_batch == 128
+    assert explorer.host_calls_per_epoch == 960 // 128
+    before = explorer.modeled_overall
+    explorer.gradient_accumulation.value = 32
+    assert explorer.modeled_overall > before
+    bars = explorer.modeled_utilisation_figure.data[0]
+    assert list(bars.y) == pytest.approx(logic.bar_values(explorer.modeled_utilisation))
+    assert len(bars.y) == 4
+    assert "default cost table" in explorer.modeled_timeline_figure.layout.title.text
+    explorer.split.value = "B1 B2 | B3 B4"
+    assert len(explorer.modeled_utilisation_figure.data[0].y) == 2
+    assert len(explorer.memory_figure.data) > 0
+    explorer.set(sharded=True)
+    assert explorer.schedule.disabled
+    assert explorer.modeled_overall == pytest.approx(
+        logic.modeled_view(explorer.config, explorer.costs, 960).overall)
+
+
+def test_explorer_shows_rejected_combinations_and_recovers(explorer):
+    explorer.set(device_iterations=1, gradient_accumulation=3)
+    assert explorer.last_error and "gradientAccumulation" in explorer.last_error
+    assert "gradientAccumulation" in explorer.error.value
+    assert "rejects" in explorer.modeled_timeline_figure.layout.title.text
+    records = explorer.run(calls=1)          # running it shows the same error, no crash
+    assert records == [] and "gradientAccumulation" in explorer.last_error
+    assert not explorer.run_button.disabled
+    explorer.gradient_accumulation.value = 8
+    assert explorer.last_error is None and explorer.error.value == ""
+
+
+def test_explorer_run_updates_measured_figures(explorer):
+    before = explorer.measured_utilisation_figure.to_dict()["data"]
+    records = explorer.run(calls=2)
+    assert len(records) == 2 and explorer.history == records
+    assert [r["call"] for r in records] == [1, 2]
+    assert all(r["predictions"] == 128 for r in records)          # All: every micro-batch
+    util = explorer.measured_utilisation
+    assert sorted(util) == [0, 1, 2, 3]
+    bars = explorer.measured_utilisation_figure.data[0]
+    assert explorer.measured_utilisation_figure.to_dict()["data"] != before
+    assert list(bars.y) == pytest.approx([100 * util[k] for k in sorted(util)])
+    assert util == explorer.measured_timeline.utilisation()["per_ipu"]
+    assert "costs measured in call 2" in explorer.modeled.cost_source
+    assert explorer.test_accuracy is not None
+    assert len(explorer.training_figure.data[0].x) == 2
+    explorer.output_mode.value = "Final"
+    final = explorer.run(calls=1)
+    assert final[0]["predictions"] == 8 and final[0]["call"] == 3
+
+
+def test_explorer_background_run_stops_cleanly(explorer):
+    explorer.evaluate_after_run = False
+    explorer.start(calls=10_000)
+    assert explorer.running and explorer.stop_button.disabled is False
+    deadline = time.time() + 60
+    while not explorer.history and time.time() < deadline:
+        time.sleep(0.05)
+    explorer.stop(wait=True)
+    assert not explorer.running
+    assert 1 <= len(explorer.history) < 10_000
+    assert not explorer.run_button.disabled and explorer.stop_button.disabled
+    names = [t.name for t in threading.enumerate()]
+    assert "ipukit-explorer" not in names
+    assert not [n for n in names if n.startswith("ipukit-ipu")]
+
+
+def test_explorer_reset_forgets_training(explorer):
+    explorer.run(calls=1)
+    explorer.reset()
+    assert explorer.history == [] and explorer.measured_utilisation == {}
+    assert not explorer.costs.measured
