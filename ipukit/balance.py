@@ -17,6 +17,7 @@ import torch
 from . import blocks as _blocks
 from .enums import AutoStage
 from .errors import BlockError
+from .memory import unchanged_state
 from .strategies import PipelinedExecution, ShardedExecution, Stage
 from .timeline import Timeline
 
@@ -137,18 +138,12 @@ def _as_args(sample_inputs) -> Tuple:
 def discover_blocks(model: torch.nn.Module, sample_inputs) -> List[str]:
     """Block ids in the order ``model`` enters them on ``sample_inputs`` (one eager run)."""
     recorder = _BlockNames(PipelinedExecution(AutoStage.AutoIncrement)._stage_manager())
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    rng = torch.get_rng_state()
     previous = _blocks.set_recorder(recorder)
     try:
-        with torch.no_grad():
+        with unchanged_state([model]), torch.no_grad():
             model(*_as_args(sample_inputs))
     finally:
         _blocks.set_recorder(previous)
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
     return list(recorder.entered)
 
 
@@ -180,24 +175,21 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
                                               sharded=True))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    weights = [(p, p.detach().clone()) for p in model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    rng = torch.get_rng_state()
+    # a training wrapper the user already has stays; the timing model is a second, brief one
     wrapper_ref = model.__dict__.pop("_ipukit_training_wrapper", None)
-    timing = trainingModel(model, options, optimizer)
     try:
-        timing(*batch)     # compile + warm-up
-        timing(*batch)
-        timeline = timing.getTimeline()
-        stage_blocks = [st.blocks for st in timing._plan.partition.stages]
+        with unchanged_state([model], weights=True):
+            timing = trainingModel(model, options, optimizer)
+            try:
+                timing(*batch)     # compile + warm-up
+                timing(*batch)
+                timeline = timing.getTimeline()
+                stage_blocks = [st.blocks for st in timing._plan.partition.stages]
+            finally:
+                timing.destroy()
     finally:
-        timing.destroy()
         if wrapper_ref is not None:
             model.__dict__["_ipukit_training_wrapper"] = wrapper_ref
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for live, saved in weights + buffers:
-                live.copy_(saved)
     costs = timeline.stage_costs("median")
     fwd = {b: 0.0 for b in block_order}
     bwd = {b: 0.0 for b in block_order}

@@ -12,8 +12,9 @@ stage, and multiplies them by the micro-batches each schedule keeps in flight
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -194,6 +195,67 @@ def _sample_inputs(model) -> List[torch.Tensor]:
     return tensors
 
 
+@contextmanager
+def unchanged_state(modules: Iterable[torch.nn.Module], weights: bool = False):
+    """Run a measurement that leaves buffers (and ``weights``) and every RNG as they were."""
+    modules = list(modules)
+    tensors = [b for m in modules for b in m.buffers()]
+    if weights:
+        tensors += [p for m in modules for p in m.parameters()]
+    saved = [(t, t.detach().clone()) for t in _unique(tensors)]
+    cuda = sorted({t.device.index or 0 for t, _ in saved if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for live, copy in saved:
+                    live.copy_(copy)
+
+
+def _stage_args(plan, stage, flat, outputs) -> list:
+    """A stage's arguments, as the executor builds them (received activations detached)."""
+    device = plan.device_of(stage.index)
+    args = []
+    for ref in stage.args:
+        if ref.kind == "input":
+            v = flat[ref.index].to(device)
+        elif ref.kind == "stage":
+            v = outputs[ref.index][0 if ref.item is None else ref.item]
+            if isinstance(v, torch.Tensor):
+                needs_grad = v.requires_grad
+                v = v.detach().to(device)
+                if needs_grad:
+                    v.requires_grad_()
+        else:
+            v = ref.value
+        args.append(v)
+    return args
+
+
+def _held_bytes(stage, args) -> Tuple[int, tuple]:
+    """Run one stage; bytes of its stashed inputs/outputs and autograd's saved tensors."""
+    own = {_storage_key(t)[0] for t in list(stage.module.parameters())
+           + list(stage.module.buffers())}
+    held: Dict[Any, int] = {}
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            ptr, nbytes = _storage_key(t)
+            if ptr not in own:
+                held[ptr] = max(held.get(ptr, 0), nbytes)
+        return t
+
+    for v in args:
+        keep(v)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = stage.module(*args)
+    outs = out if stage.tuple_output else (out,)
+    for v in outs:
+        keep(v)
+    return sum(held.values()), outs
+
+
 def activation_bytes(model) -> List[int]:
     """Bytes one micro-batch leaves alive on each stage until its backward runs.
 
@@ -212,57 +274,14 @@ def activation_bytes(model) -> List[int]:
         return list(cached[1])
     from .ops import running_on_ipu
 
-    part = plan.partition
-    rng = torch.get_rng_state()
-    buffers = [(b, b.detach().clone()) for st in part.stages for b in st.module.buffers()]
+    stages = plan.partition.stages
     outputs: Dict[int, tuple] = {}
     result = []
-    try:
+    with unchanged_state(st.module for st in stages), torch.enable_grad(), running_on_ipu():
         flat = _sample_inputs(model)
-        with torch.enable_grad(), running_on_ipu():
-            for st in part.stages:
-                device = plan.device_of(st.index)
-                own = {_storage_key(t)[0] for t in list(st.module.parameters())
-                       + list(st.module.buffers())}
-                held: Dict[Any, int] = {}
-
-                def keep(t: torch.Tensor) -> None:
-                    if isinstance(t, torch.Tensor):
-                        ptr, nbytes = _storage_key(t)
-                        if ptr not in own:
-                            held[ptr] = max(held.get(ptr, 0), nbytes)
-
-                def pack(t):
-                    keep(t)
-                    return t
-
-                args = []
-                for ref in st.args:
-                    if ref.kind == "input":
-                        v = flat[ref.index].to(device)
-                    elif ref.kind == "stage":
-                        v = outputs[ref.index][0 if ref.item is None else ref.item]
-                        if isinstance(v, torch.Tensor):
-                            needs_grad = v.requires_grad
-                            v = v.detach().to(device)
-                            if needs_grad:
-                                v.requires_grad_()
-                    else:
-                        v = ref.value
-                    args.append(v)
-                    keep(v)
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = st.module(*args)
-                outs = out if st.tuple_output else (out,)
-                for v in outs:
-                    keep(v)
-                outputs[st.index] = outs
-                result.append(sum(held.values()))
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
+        for st in stages:
+            held, outputs[st.index] = _held_bytes(st, _stage_args(plan, st, flat, outputs))
+            result.append(held)
     _ACTIVATIONS[id(plan)] = (weakref.ref(plan), result)
     weakref.finalize(plan, _ACTIVATIONS.pop, id(plan), None)
     return list(result)

@@ -174,3 +174,18 @@ class TripNet(StackNet):
                 return out
             loss = nn.functional.cross_entropy(out, labels)
         return out, loss
+
+
+THREADS_SEEN: list = []
+
+
+@torch.library.custom_op("ipukit_test::note_threads", mutates_args=())
+def note_threads(x: torch.Tensor) -> torch.Tensor:
+    """Identity that records the intra-op thread count of the thread running it."""
+    THREADS_SEEN.append(torch.get_num_threads())
+    return x.clone()
+
+
+@note_threads.register_fake
+def _note_fake(x):
+    return torch.empty_like(x)

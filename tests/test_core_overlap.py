@@ -47,3 +47,35 @@ def test_pipelined_training_overlaps_stages():
     assert _overlap(tl, 0, 1) > 0.05
     assert _overlap(stl, 0, 1) < 0.002  # sharded: one IPU at a time
     assert tl.utilisation()["overall"] > stl.utilisation()["overall"]
+
+
+def _thread_counts(opts, stages=2):
+    from helpers import THREADS_SEEN, note_threads
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(stages))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                with ipukit.Block(f"s{i}", ipu_id=i):
+                    x = note_threads(layer(x))
+            return x
+
+    model = ipukit.inferenceModel(Net(), opts)
+    model(torch.randn(4, 4))
+    THREADS_SEEN.clear()
+    model(torch.randn(4, 4))
+    return set(THREADS_SEEN)
+
+
+def test_workers_share_the_cores_without_oversubscribing():
+    from ipukit.executor import default_threads
+
+    cores = default_threads(1)
+    assert _thread_counts(ipukit.Options().deviceIterations(4)) == {max(1, cores // 2)}
+    assert _thread_counts(ipukit.Options().deviceIterations(4).cpuThreadsPerIpu(3)) == {3}
+    before = torch.get_num_threads()
+    _thread_counts(ipukit.Options().deviceIterations(4).cpuThreadsPerIpu(1))
+    assert torch.get_num_threads() == before  # the caller's setting is untouched
