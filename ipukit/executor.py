@@ -226,7 +226,12 @@ class CallRunner:
     def _index(self, a: Action, replica: int) -> int:
         return (a.iteration * self.schedule.micro_batches + a.micro_batch) * self.replicas + replica
 
-    def forward(self, a: Action, replica: int, stash: dict) -> None:
+    def forward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        """Run a stage's forward of one micro-batch.
+
+        Returns (inputs all received, outputs computed): the measured span is
+        the work, not the wait for the previous stage.
+        """
         plan = self.plan
         stage = plan.partition.stages[a.stage]
         device = plan.device_of(a.stage)
@@ -250,18 +255,22 @@ class CallRunner:
             else:
                 v = ref.value
             args.append(v)
+        ready = time.perf_counter()
         out = stage.module(*args)
         outs = out if stage.tuple_output else (out,)
-        for consumer, pos, item in plan.consumers[a.stage]:
-            self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
         row = self.results[k]
         for j, item in plan.host_outputs[a.stage]:
             v = outs[item]
             row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
         if plan.training:
             stash[(a.stage, a.iteration, a.micro_batch)] = (args, outs)
+        end = time.perf_counter()  # before publishing: a consumer never starts before this
+        for consumer, pos, item in plan.consumers[a.stage]:
+            self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
+        return ready, end
 
-    def backward(self, a: Action, replica: int, stash: dict) -> None:
+    def backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        """Backpropagate one micro-batch through a stage; returns (gradients received, done)."""
         plan = self.plan
         s = a.stage
         args, outs = stash.pop((s, a.iteration, a.micro_batch))
@@ -274,6 +283,7 @@ class CallRunner:
                     if g.device != src.device:  # the consumer ran on another device
                         g = g.to(src.device)
                     incoming[item] = incoming[item] + g if item in incoming else g
+        ready = time.perf_counter()
         seeds = [outs[i] for i in incoming]
         grads = [incoming[i] for i in incoming]
         if s == plan.loss_stage:
@@ -289,11 +299,6 @@ class CallRunner:
             result = torch.autograd.grad(seeds, targets, grads, allow_unused=True)
         else:
             result = [None] * len(targets)
-        stage_args = plan.partition.stages[s].args
-        for (pos, _), g in zip(diff_inputs, result):
-            ref = stage_args[pos]
-            if ref.kind == "stage":
-                self.exchange.put(("G", ref.index, s, pos, a.iteration, a.micro_batch, replica), g)
         acc = self.accumulators[(replica, s)]
         for i, g in enumerate(result[len(diff_inputs):]):
             if g is not None:
@@ -301,6 +306,13 @@ class CallRunner:
                     acc[i] = g
                 else:
                     acc[i].add_(g)
+        end = time.perf_counter()
+        stage_args = plan.partition.stages[s].args
+        for (pos, _), g in zip(diff_inputs, result):
+            ref = stage_args[pos]
+            if ref.kind == "stage":
+                self.exchange.put(("G", ref.index, s, pos, a.iteration, a.micro_batch, replica), g)
+        return ready, end
 
     def step(self, iteration: int) -> None:
         """Combine accumulated gradients (Mean or Sum) and step the optimiser once."""
@@ -362,12 +374,11 @@ class CallRunner:
         for a in actions:
             if exchange.aborted:
                 raise Aborted()
-            start = time.perf_counter()
             try:
                 if a.kind == FORWARD:
-                    self.forward(a, replica, stash)
+                    start, end = self.forward(a, replica, stash)
                 elif a.kind == BACKWARD:
-                    self.backward(a, replica, stash)
+                    start, end = self.backward(a, replica, stash)
                 else:
                     continue  # the host steps, after the flush
             except (Aborted, KeyboardInterrupt):
@@ -380,8 +391,8 @@ class CallRunner:
                 raise
             if record:
                 events.append(Event(a.stage, KIND_NAMES[a.kind], a.micro_batch, start - t0,
-                                    time.perf_counter() - t0, ipus[a.stage], replica,
-                                    a.iteration, self.call_index))
+                                    end - t0, ipus[a.stage], replica, a.iteration,
+                                    self.call_index))
 
     def _fail(self, exc: BaseException) -> None:
         with self._error_lock:
