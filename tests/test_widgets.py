@@ -369,3 +369,53 @@ def test_explorer_reset_forgets_training(explorer):
     explorer.reset()
     assert explorer.history == [] and explorer.measured_utilisation == {}
     assert not explorer.costs.measured
+
+
+def test_logic_needs_no_ipywidgets():
+    import subprocess
+    import sys
+
+    code = ("import sys, ipukit.widgets.logic, ipukit.widgets.session; "
+            "assert 'ipywidgets' not in sys.modules, 'logic imported ipywidgets'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_explorer_displays_as_its_widget(explorer):
+    bundle = explorer._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.widget.model_id
+
+
+def test_explorer_works_with_another_model():
+    pytest.importorskip("ipywidgets")
+    from helpers import StackNet, make_data
+
+    from ipukit.widgets import PipelineExplorer
+
+    x, y = make_data(512)
+    ex = PipelineExplorer(model_factory=lambda: StackNet(with_ipu_ids=False), wrap=lambda m: m,
+                          blocks=("b0", "b1", "b2", "b3"), sample_shape=(8,),
+                          train_dataset=torch.utils.data.TensorDataset(x, y),
+                          test_dataset=torch.utils.data.TensorDataset(x[:64], y[:64]),
+                          config=Config(blocks=("b0", "b1", "b2", "b3"), split="b0 b1 | b2 b3",
+                                        device_iterations=1, gradient_accumulation=4,
+                                        micro_batch_size=8))
+    try:
+        assert list(ex.splits)[0] == "b0 | b1 | b2 | b3"
+        assert ex.last_error is None and len(ex.modeled_utilisation) == 2
+        records = ex.run(calls=2)
+        assert len(records) == 2 and ex.last_error is None
+        assert sorted(ex.measured_utilisation) == [0, 1]
+        assert ex.test_accuracy is not None
+    finally:
+        ex.close()
+
+
+def test_a_training_set_smaller_than_a_call_is_reported(explorer):
+    explorer.set(device_iterations=64, gradient_accumulation=64)     # 32,768 samples per call
+    assert explorer.last_error is None                               # PopTorch accepts it...
+    assert explorer.run(calls=1) == []                               # ...but 960 samples are too few
+    assert "smaller than one host call" in explorer.last_error
+    assert "The run failed" in explorer.error.value
+    explorer.device_iterations.value = 2
+    assert explorer.last_error is None

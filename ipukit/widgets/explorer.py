@@ -18,7 +18,6 @@ the dashboard from code::
 """
 from __future__ import annotations
 
-import os
 import threading
 import traceback
 from collections import OrderedDict
@@ -112,6 +111,7 @@ class PipelineExplorer:
         self.probe_result: Optional[logic.ProbeResult] = None
         self._config_error: Optional[str] = None
         self._run_error: Optional[str] = None
+        self._run_failed = False            # the run error is not an ipukit.Error
         self._build_widgets(calls)
         self.refresh()
 
@@ -311,8 +311,10 @@ class PipelineExplorer:
             self._show_error()
 
     def _show_error(self) -> None:
-        message = self._run_error or self._config_error
-        self.error.value = logic.error_html(message)
+        if self._run_error and self._run_failed:
+            self.error.value = logic.error_html(self._run_error, heading="The run failed:")
+        else:
+            self.error.value = logic.error_html(self._run_error or self._config_error)
 
     # -- read-back -----------------------------------------------------------------------
     @property
@@ -392,19 +394,23 @@ class PipelineExplorer:
             thread.join(timeout)
 
     def run(self, calls: Optional[int] = None) -> List[Dict[str, Any]]:
-        """Train synchronously for ``calls`` host calls; returns the new history records.
+        """Train for ``calls`` host calls and return when done, with the new history records.
 
-        Errors are shown in the dashboard (and in :attr:`last_error`), not raised.
+        The training runs on the same thread the Run button starts (so both
+        behave alike); this call waits for it. Interrupting the kernel stops
+        the run after the current call. Errors are shown in the dashboard (and
+        in :attr:`last_error`), not raised.
         """
         if self.running:
             raise RuntimeError("a run is already in progress: call stop() first")
-        self._stop.clear()
         before = len(self.history)
-        self._set_running(True)
+        self.start(calls)
         try:
-            self._run_safely(self.config, calls or self.calls.value)
-        finally:
-            self._set_running(False)
+            while self.running:
+                self._thread.join(0.1)
+        except KeyboardInterrupt:
+            self.stop(wait=True)
+            raise
         return self.history[before:]
 
     def _set_running(self, running: bool) -> None:
@@ -414,14 +420,19 @@ class PipelineExplorer:
 
     def _run_safely(self, config: Config, calls: int) -> None:
         self._run_error = None
+        self._run_failed = False
         self._show_error()
+        before = len(self.history)
         try:
             self._train(config, calls)
         except Error as exc:
             self._run_error = logic.check_message(exc)
-            self.status.value = "The run did not start: see the message above."
+            done = len(self.history) - before
+            self.status.value = (f"The run stopped after {done} calls: see the message above."
+                                 if done else "The run did not start: see the message above.")
         except Exception as exc:  # noqa: BLE001 - shown in the dashboard, never a dead thread
             self._run_error = logic.check_message(exc)
+            self._run_failed = True
             self.status.value = "<pre>" + traceback.format_exc(limit=3) + "</pre>"
         finally:
             self._show_error()
@@ -432,15 +443,10 @@ class PipelineExplorer:
         session = self.session
         self.status.value = f"Compiling and training: {config.describe()}…"
         record = None
-        runner = session.run(config, calls, self._stop)
         # Compiling traces the model with a process-wide block recorder: never at the same
-        # time as a probe compiling another configuration, hence the lock on the first call.
-        with self._lock:
-            record = next(runner, None)
-        if record is not None:
+        # time as a probe compiling another configuration, hence the lock.
+        for record in session.run(config, calls, self._stop, compile_lock=self._lock):
             self._record(record)
-            for record in runner:
-                self._record(record)
         if record is None:
             self.status.value = "Stopped before the first call."
             return
@@ -452,8 +458,7 @@ class PipelineExplorer:
                 f"{record['seconds']:.2f} s, {record['samples_per_s']:,.0f} samples/s.")
         if self.evaluate_after_run and self.test_dataset is not None:
             self.status.value = text + " Testing…"
-            with self._lock:
-                self.test_accuracy = session.evaluate(config, self._test_limit)
+            self.test_accuracy = session.evaluate(config, self._test_limit, compile_lock=self._lock)
             if self.test_accuracy is not None:
                 text += f" Test accuracy {self.test_accuracy:.2f}%."
                 self.history[-1]["test_accuracy"] = self.test_accuracy

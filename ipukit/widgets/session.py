@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -19,6 +20,12 @@ import torch
 from ..data import DataLoader
 from ..model import inferenceModel, trainingModel
 from .logic import Config, call_metrics, inference_options, training_options
+
+
+def first_batch(loader: DataLoader) -> List[torch.Tensor]:
+    """One call's worth of samples (the first of the dataset), to compile with."""
+    dataset = loader.dataset
+    return torch.utils.data.default_collate([dataset[i] for i in range(loader.combinedBatchSize)])
 
 
 class TrainingSession:
@@ -61,13 +68,15 @@ class TrainingSession:
             self._lr = config.learning_rate
         return self.optimizer
 
-    def run(self, config: Config, calls: int,
-            stop: Optional[threading.Event] = None) -> Iterator[Dict[str, Any]]:
+    def run(self, config: Config, calls: int, stop: Optional[threading.Event] = None,
+            compile_lock=None) -> Iterator[Dict[str, Any]]:
         """Make up to ``calls`` training calls with ``config``; yield a record after each.
 
         Epochs follow one another until ``calls`` are done or ``stop`` is set
         (checked between calls). Errors ipukit raises (e.g. a combination
-        PopTorch rejects) propagate from the first call, before any training.
+        PopTorch rejects) propagate from the compilation, before any training.
+        The model is compiled while holding ``compile_lock`` (if given): tracing
+        uses process-wide state, so two compilations must not overlap.
         """
         opts = training_options(config)
         model = trainingModel(self.wrap(self.network), opts, self._optimizer_for(config))
@@ -81,6 +90,8 @@ class TrainingSession:
                 "device iterations, gradient accumulation or micro-batch size.")
         done = 0
         try:
+            with compile_lock or nullcontext():
+                model.compile(*first_batch(loader))
             while done < calls:
                 for data, labels in loader:
                     if done >= calls or (stop is not None and stop.is_set()):
@@ -106,7 +117,8 @@ class TrainingSession:
         finally:
             model.destroy()
 
-    def evaluate(self, config: Config, limit: Optional[int] = None) -> Optional[float]:
+    def evaluate(self, config: Config, limit: Optional[int] = None,
+                 compile_lock=None) -> Optional[float]:
         """Test accuracy (%) with an :func:`ipukit.inferenceModel` of the same stages."""
         if self.test_dataset is None:
             return None
@@ -120,9 +132,12 @@ class TrainingSession:
             dataset = torch.utils.data.Subset(dataset, range(size))
         opts = inference_options(config, iterations)
         model = inferenceModel(self.network, opts)
+        loader = DataLoader(opts, dataset, batch_size=batch)
         correct = total = 0
         try:
-            for data, labels in DataLoader(opts, dataset, batch_size=batch):
+            with compile_lock or nullcontext():
+                model.compile(first_batch(loader)[0])
+            for data, labels in loader:
                 out = model(data)
                 correct += (out.argmax(dim=1) == labels).sum().item()
                 total += labels.shape[0]
