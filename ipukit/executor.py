@@ -413,15 +413,24 @@ class CallRunner:
         return torch.enable_grad() if self.plan.training else torch.no_grad()
 
     def _run_inline(self) -> None:
+        """A single worker runs on the calling thread (no hand-offs at all)."""
         events: List[Event] = []
         stash: dict = {}
         self.events.append(events)
-        with self._grad_mode():
-            for it in range(self.schedule.iterations):
-                for lane in self.schedule.iteration_lanes(it):
-                    self._run_actions(lane, 0, stash, events)
-                if self.plan.training:
-                    self.step(it)
+        threads = self.plan.threads_per_worker
+        previous = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            with self._grad_mode():
+                for it in range(self.schedule.iterations):
+                    for lane in self.schedule.iteration_lanes(it):
+                        self._run_actions(lane, 0, stash, events)
+                    if self.plan.training:
+                        self.step(it)
+        finally:
+            if threads:
+                torch.set_num_threads(previous)
 
     def _run_threads(self, workers: int) -> None:
         """One thread per (replica, lane); the calling thread steps between iterations.
