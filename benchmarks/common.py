@@ -24,7 +24,8 @@ class Sizes:
     stage_counts: tuple      # balanced pipelines measured
     pipeline_calls: int      # calls timed per pipeline variant
     device_iterations: tuple
-    di_samples: int          # samples timed per device-iterations variant (4-stage model)
+    di_samples: int          # samples per device-iterations variant and round
+    di_rounds: int
     tutorial_ga: int         # gradient accumulation of the tutorial model's pipelined runs
     simulate_micro_batches: int
     compile_reps: int
@@ -32,12 +33,12 @@ class Sizes:
 
 FULL = Sizes(rounds=15, steps_per_round=20, width=512, layers_per_stage=2, micro_batch=64,
              micro_batches=16, stage_counts=(2, 4), pipeline_calls=8,
-             device_iterations=(1, 10, 100), di_samples=40_000, tutorial_ga=10,
+             device_iterations=(1, 10, 100), di_samples=20_000, di_rounds=3, tutorial_ga=10,
              simulate_micro_batches=1024, compile_reps=3)
 
 SMOKE = Sizes(rounds=2, steps_per_round=2, width=32, layers_per_stage=1, micro_batch=8,
               micro_batches=4, stage_counts=(2,), pipeline_calls=2,
-              device_iterations=(1, 2), di_samples=1_120, tutorial_ga=7,
+              device_iterations=(1, 2), di_samples=1_120, di_rounds=1, tutorial_ga=7,
               simulate_micro_batches=64, compile_reps=1)
 
 BATCH = 40  # the tutorial's micro-batch size

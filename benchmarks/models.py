@@ -7,7 +7,6 @@ torch.distributed.pipelining) with the very same weights.
 """
 from __future__ import annotations
 
-import copy
 from typing import Tuple
 
 import torch
@@ -103,7 +102,7 @@ class PlainStep:
 
     def __init__(self):
         torch.manual_seed(0)
-        self.net = copy.deepcopy(Network())
+        self.net = Network()
         self.optimizer = torch.optim.AdamW(self.net.parameters(), lr=0.001)
         self.loss = nn.CrossEntropyLoss()
 

@@ -25,7 +25,7 @@ def _verdict(r: dict) -> str:
     if r["goal"] is None:
         return ""
     if r["met"] is None:
-        return "inconclusive (noise spans the goal)"
+        return "inconclusive (see notes)"
     return "met" if r["met"] else "**missed**"
 
 
@@ -33,7 +33,7 @@ def markdown(results: Dict[str, dict], info: dict) -> str:
     """The results as Markdown: machine facts, then one table row per measured number."""
     lines = ["# ipukit benchmark results", "", f"_{PROVISIONAL}_", "",
              f"- mode: {info['mode']}; command: `{info['command']}`",
-             f"- cores: {info['cores']}; torch threads: {info['torch_threads']}; "
+             f"- cores: {info['cores']}; main-thread intra-op threads: {info['torch_threads']}; "
              f"torch {info['torch']}; Python {info['python']}; CPU: {info['cpu']}",
              f"- load average (1, 5, 15 min) at start: {_load(info['loadavg_start'])}; "
              f"at end: {_load(info['loadavg_end'])}",

@@ -7,6 +7,12 @@
 Every benchmark runs in this one process (the torch.distributed peer starts
 its own processes), one after another, so all numbers share one machine
 state; the load average is recorded at the start and end.
+
+The main thread runs with ``--threads`` intra-op threads (default 1), and
+ipukit's pipeline workers with their default (cores ÷ workers). One thread
+keeps a busy neighbour from stalling every multi-threaded op at its OpenMP
+barrier; variants that can only use the cores through intra-op threads
+(sharded execution, torchgpipe on CPU) are also run with every core.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/run.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "benchmarks"
 
+import torch  # noqa: E402
+
 from benchmarks import report  # noqa: E402
 from benchmarks.common import FULL, SMOKE, as_dict, machine  # noqa: E402
 from benchmarks.suite import BENCHMARKS, run_one  # noqa: E402
@@ -32,6 +40,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds per benchmark")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/ for full runs; required with --smoke)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of the main thread (sharded, single-stage and plain "
+                   "PyTorch steps, the optimiser step); default 1, see README")
     p.add_argument("--only", default=None,
                    help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     args = p.parse_args(argv)
@@ -53,6 +64,7 @@ def selected(only: Optional[str]) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
+    torch.set_num_threads(args.threads)
     info = machine()
     info.update(mode="smoke" if args.smoke else "full", sizes=as_dict(sizes),
                 command="python -m benchmarks.run " + " ".join(argv if argv is not None

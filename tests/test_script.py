@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -59,6 +60,14 @@ def test_debug_shows_the_traceback(data_root):
                        "--limit-test", "800"], data_root)
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "PipelineConfigError" in proc.stderr
+
+
+def test_console_script_is_installed():
+    script = shutil.which("ipukit-mnist", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("ipukit-mnist is not installed next to this Python (pip install -e .)")
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--gradient-accumulation" in proc.stdout
 
 
 def test_bad_flag_value_is_one_line(capsys):

@@ -24,6 +24,7 @@ Differences from the tutorial, and why:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import traceback
 from typing import List, Optional, Sequence, Tuple
@@ -103,6 +104,9 @@ def training_options(args: argparse.Namespace) -> ipukit.Options:
         opts.TensorLocations.setOptimizerLocation(
             ipukit.TensorLocationSettings().useOnChipStorage(False))
     if args.profile:
+        if importlib.util.find_spec("ipukit.profile") is None:
+            raise UsageError("--profile needs ipukit.profile (the trace and report writer), "
+                             "which this ipukit installation does not have.")
         opts.profileDir(args.profile_dir)
     return opts
 
