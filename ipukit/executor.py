@@ -157,14 +157,21 @@ class StateSnapshot:
 
 
 @contextmanager
-def _deferred_interrupt():
-    """Hold Ctrl-C until the block ends, so an optimiser step is never half done."""
+def _interrupts_wait_for_steps(runner: "CallRunner"):
+    """While a call runs, Ctrl-C stops it at once — except inside an optimiser step,
+    which it lets finish first, so weights and optimiser state are never half updated."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = []
+
+    def handler(signum, frame):
+        if runner._stepping:
+            runner._interrupted = True
+        else:
+            raise KeyboardInterrupt
+
     try:
-        previous = signal.signal(signal.SIGINT, lambda *a: received.append(a))
+        previous = signal.signal(signal.SIGINT, handler)
     except ValueError:  # signals unavailable (embedded interpreter)
         yield
         return
@@ -172,8 +179,6 @@ def _deferred_interrupt():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received:
-            raise KeyboardInterrupt
 
 
 def _move_optimizer_state(optimizer, to_host: bool) -> List[Tuple[float, float]]:
@@ -221,6 +226,8 @@ class CallRunner:
         self.error: Optional[BaseException] = None
         self._error_lock = threading.Lock()
         self.steps_done = 0
+        self._stepping = False
+        self._interrupted = False
 
     # -- the work of one action ------------------------------------------------
     def _index(self, a: Action, replica: int) -> int:
@@ -336,7 +343,8 @@ class CallRunner:
                         grads[id(p)] = (p, g)
                     acc[i] = None
         transfers = []
-        with _deferred_interrupt():
+        self._stepping = True  # Ctrl-C now waits until the weights are consistent again
+        try:
             for p, g in grads.values():
                 p.grad = g.mul_(scale) if scale != 1.0 else g
             if plan.offload_optimizer:
@@ -348,7 +356,11 @@ class CallRunner:
                 p.grad = None
             if plan.offload_optimizer:
                 transfers += _move_optimizer_state(self.optimizer, to_host=True)
+        finally:
+            self._stepping = False
         self.steps_done += 1
+        if self._interrupted:
+            raise KeyboardInterrupt
         if plan.record:
             events = []
             for r in range(self.replicas):
@@ -404,10 +416,11 @@ class CallRunner:
         """Execute the whole call; raises the first worker error after stopping all workers."""
         lanes = self.schedule.lanes
         workers = len(lanes) * self.replicas
-        if workers == 1:
-            self._run_inline()
-        else:
-            self._run_threads(workers)
+        with _interrupts_wait_for_steps(self):
+            if workers == 1:
+                self._run_inline()
+            else:
+                self._run_threads(workers)
 
     def _grad_mode(self):
         return torch.enable_grad() if self.plan.training else torch.no_grad()

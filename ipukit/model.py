@@ -117,6 +117,9 @@ class PoplarExecutor:
         d["_timelines_kept"] = []
         d["_calls"] = 0
         d["_input_names"] = None
+        d["_shapes"] = None
+        d["_output_mode"] = None
+        d["_positional_specs"] = {}
         if training:
             object.__setattr__(model, "_ipukit_training_wrapper", weakref.ref(self))
 
@@ -198,6 +201,8 @@ class PoplarExecutor:
         self._plan = plan
         self._schedule = self._build_schedule(part, strategy)
         self._signature = (spec, _signature(flat, batching.factor))
+        self._shapes = [(v.shape, v.dtype) if isinstance(v, torch.Tensor) else None for v in flat]
+        self._output_mode = mode
         self._input_names = names
         self._attached = True
 
@@ -250,13 +255,23 @@ class PoplarExecutor:
         return schedules.build(kind, n, o.device_iterations, 1, stage_ipus)
 
     # -- calls ------------------------------------------------------------------
+    def _flatten(self, args, kwargs):
+        """Flat inputs and their pytree spec; plain positional tensors skip pytree."""
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            spec = self.__dict__["_positional_specs"].get(len(args))
+            if spec is None:
+                spec = pytree.tree_flatten((args, kwargs))[1]
+                self.__dict__["_positional_specs"][len(args)] = spec
+            return list(args), spec
+        return pytree.tree_flatten((args, kwargs))
+
     def __call__(self, *args, **kwargs):
         t_call = time.perf_counter()
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat, spec = self._flatten(args, kwargs)
         if self._plan is None:
             self._compile(flat, spec, args, kwargs)
             t_call = time.perf_counter()
-        else:
+        elif not self._same_inputs(flat, spec):
             self._check_signature(flat, spec)
         if not self._attached:
             self.attachToDevice()
@@ -285,8 +300,7 @@ class PoplarExecutor:
             elif ref.kind == "input":
                 for row, inputs in zip(rows, micro):
                     row[j] = inputs[plan.tensor_inputs[ref.index]]
-        mode = microbatch.resolve_output_mode(opts.output_mode, self._training)
-        flat_out = microbatch.gather(rows, mode, opts.output_return_period, batching)
+        flat_out = microbatch.gather(rows, self._output_mode, opts.output_return_period, batching)
         result = pytree.tree_unflatten(flat_out, part.out_spec)
         self._calls += 1
         if plan.record:
@@ -312,6 +326,19 @@ class PoplarExecutor:
             from .profile import write_profile
 
             write_profile(tl, self._options.profile_dir, self)
+
+    def _same_inputs(self, flat, spec) -> bool:
+        """The cheap check on every call: same structure, shapes and dtypes as compiled."""
+        shapes = self._shapes
+        if len(flat) != len(shapes) or spec != self._signature[0]:
+            return False
+        for v, expected, sig in zip(flat, shapes, self._signature[1]):
+            if expected is None:
+                if isinstance(v, torch.Tensor) or repr(v) != sig[1]:
+                    return False
+            elif not isinstance(v, torch.Tensor) or v.shape != expected[0] or v.dtype != expected[1]:
+                return False
+        return True
 
     def _check_signature(self, flat, spec) -> None:
         old_spec, old_sig = self._signature

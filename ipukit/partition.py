@@ -99,6 +99,25 @@ class _FlatModel(torch.nn.Module):
         self._in_spec = in_spec
         self._template = list(template)   # non-tensor leaves stay fixed
         self._tensor_slots = [i for i, v in enumerate(template) if isinstance(v, torch.Tensor)]
+        # Fast paths for the common case: positional tensor arguments in, and a
+        # tensor or a flat tuple of tensors out (no pytree work per micro-batch).
+        n = len(self._template)
+        self._positional = (len(self._tensor_slots) == n
+                            and pytree.tree_flatten((tuple(range(n)), {}))[1] == in_spec)
+        self._flat_out: Optional[int] = None   # set by use_fast_outputs()
+        self._record = True
+
+    def use_fast_outputs(self) -> None:
+        """After the output structure is known: skip recording it on every call."""
+        self._record = False
+        leaves, spec = self.out_leaves, self.out_spec
+        if leaves is None or not all(isinstance(v, torch.Tensor) for v in leaves):
+            return
+        n = len(leaves)
+        if n == 1 and spec == pytree.tree_flatten(leaves[0])[1]:
+            self._flat_out = 0
+        elif spec == pytree.tree_flatten(tuple(leaves))[1]:
+            self._flat_out = n
 
     # torch.export restores module state mutated while tracing, so what the
     # trace learns about the outputs is kept outside the module.
@@ -111,13 +130,22 @@ class _FlatModel(torch.nn.Module):
         return _SEEN.get(id(self), {}).get("leaves")
 
     def forward(self, *tensors):
-        leaves = list(self._template)
-        for slot, t in zip(self._tensor_slots, tensors):
-            leaves[slot] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
-        out = self.model(*args, **kwargs)
+        if self._positional:
+            out = self.model(*tensors)
+        else:
+            leaves = list(self._template)
+            for slot, t in zip(self._tensor_slots, tensors):
+                leaves[slot] = t
+            args, kwargs = pytree.tree_unflatten(leaves, self._in_spec)
+            out = self.model(*args, **kwargs)
+        fast = self._flat_out
+        if fast == 0 and isinstance(out, torch.Tensor):
+            return (out,)
+        if fast and type(out) is tuple and len(out) == fast:
+            return out
         flat, spec = pytree.tree_flatten(out)
-        _SEEN[id(self)] = {"spec": spec, "leaves": flat}
+        if self._record:
+            _SEEN[id(self)] = {"spec": spec, "leaves": flat}
         return tuple(v for v in flat if isinstance(v, torch.Tensor))
 
 
@@ -340,7 +368,9 @@ def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
     part = Partition(stages=[stage], outputs=[], out_spec=out_spec, loss_output=None,
                      traced=False)
     if out_leaves is not None:
+        _SEEN[id(flat_model)] = {"spec": out_spec, "leaves": list(out_leaves)}
         _set_eager_outputs(part, out_leaves, loss)
+        flat_model.use_fast_outputs()
     return part
 
 
@@ -375,6 +405,7 @@ def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
                 b.copy_(state[n])
     part.out_spec = flat_model.out_spec
     _set_eager_outputs(part, flat_model.out_leaves, _loss_index(flat_model, marks))
+    flat_model.use_fast_outputs()
 
 
 @contextlib.contextmanager
