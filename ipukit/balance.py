@@ -153,29 +153,17 @@ def _repeat(value, times: int):
     return value
 
 
-def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
-                   repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
-    """Median forward and backward seconds of each block, one micro-batch = ``sample_inputs``.
+def _timed_calls(model: torch.nn.Module, batch: Tuple,
+                 options) -> Tuple[Timeline, List[List[str]]]:
+    """Compile and warm up a throw-away training model, then time one call.
 
-    Compiles a training model with every block on its own IPU in
-    ShardedExecution (stages run one at a time), runs one warm-up call, then a
-    call of ``repeats`` micro-batches, and reads the medians off its timeline.
-    The optimiser has learning rate 0, and weights, buffers and the random
-    state are restored, so the user's model is unchanged.
+    Learning rate 0 and restored weights, buffers and random state leave the
+    user's model as it was; a training wrapper the user already has stays.
     """
     from .model import trainingModel
-    from .options import Options
 
-    repeats = max(1, int(repeats))
-    args = _as_args(sample_inputs)
-    batch = tuple(_repeat(a, repeats) for a in args)
-    options = Options().recordTimeline(True)
-    options.Training.gradientAccumulation(repeats)
-    options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),
-                                              sharded=True))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    # a training wrapper the user already has stays; the timing model is a second, brief one
     wrapper_ref = model.__dict__.pop("_ipukit_training_wrapper", None)
     try:
         with unchanged_state([model], weights=True):
@@ -183,13 +171,32 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
             try:
                 timing(*batch)     # compile + warm-up
                 timing(*batch)
-                timeline = timing.getTimeline()
-                stage_blocks = [st.blocks for st in timing._plan.partition.stages]
+                return timing.getTimeline(), [st.blocks for st in timing._plan.partition.stages]
             finally:
                 timing.destroy()
     finally:
         if wrapper_ref is not None:
             model.__dict__["_ipukit_training_wrapper"] = wrapper_ref
+
+
+def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
+                   repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
+    """Median forward and backward seconds of each block, one micro-batch = ``sample_inputs``.
+
+    Runs the model with every block on its own IPU in ShardedExecution
+    (stages one at a time, so blocks do not compete for cores): a warm-up
+    call, then a call of ``repeats`` micro-batches whose timeline gives the
+    medians. The user's model is left unchanged.
+    """
+    from .options import Options
+
+    repeats = max(1, int(repeats))
+    batch = tuple(_repeat(a, repeats) for a in _as_args(sample_inputs))
+    options = Options()
+    options.Training.gradientAccumulation(repeats)
+    options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),
+                                              sharded=True))
+    timeline, stage_blocks = _timed_calls(model, batch, options)
     costs = timeline.stage_costs("median")
     fwd = {b: 0.0 for b in block_order}
     bwd = {b: 0.0 for b in block_order}

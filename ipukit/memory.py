@@ -347,7 +347,8 @@ def memory_report(model, schedule_kind: Optional[str] = None,
     if any(st["optimizer_state_source"] == "formula" for st in stages):
         notes.append("optimiser state estimated from the optimiser type (no state yet)")
     if any(st["optimizer_state_source"] == "unknown" for st in stages):
-        notes.append(f"optimiser state of {type(optimizer).__name__} not known before its first step")
+        notes.append(f"optimiser state of {type(optimizer).__name__} is not known before "
+                     "its first step: counted as 0")
     return MemoryReport(stages=stages, schedule_kind=kind, num_stages=N, micro_batches=M,
                         training=plan.training,
                         optimizer=type(optimizer).__name__ if optimizer is not None else None,

@@ -2,9 +2,9 @@
 
 Every figure is built from plain numbers (a :class:`~ipukit.Timeline`, a
 memory report, a list of dicts), so measured and modeled runs are drawn by the
-same code. Figures use only ``go.Bar``/``go.Scatter`` with numeric axes, so
-they are cheap to rebuild on every slider move and work unchanged inside a
-``go.FigureWidget``.
+same code. Figures use only ``go.Bar``/``go.Scatter`` with a numeric time axis
+(milliseconds, not datetimes), so they are cheap to rebuild on every slider
+move and work unchanged inside a ``go.FigureWidget``.
 """
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
             customdata=custom, legendgroup=kind + group, showlegend=legend,
             hovertemplate=(f"{what}{mb}<br>stage %{{customdata[0]}} · %{{y}}"
                            "<br>iteration %{customdata[2]} · call %{customdata[3]}"
-                           "<br>%{base:.3f} → %{customdata[4]:.3f} ms (%{x:.3f} ms)<extra></extra>"),
+                           "<br>%{base:.3f} → %{customdata[4]:.3f} ms (%{x:.3f} ms)"
+                           "<extra></extra>"),
         )
         if show_micro_batches:
             labels = np.where(cols[:, 3] < 0, "", cols[:, 3].astype(int).astype(str))
@@ -97,12 +98,17 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
     return traces
 
 
+def schedule_name(kind) -> str:
+    """Schedule names as the options spell them: ``1F1B``, ``GPipe``."""
+    return {"1f1b": "1F1B", "gpipe": "GPipe"}.get(str(kind).lower(), str(kind))
+
+
 def _describe(timeline: Timeline) -> str:
     meta = timeline.meta
     parts = []
     kind = meta.get("kind") or meta.get("schedule")
     if kind:
-        parts.append(str(kind).upper() if kind in ("gpipe", "1f1b") else str(kind))
+        parts.append(schedule_name(kind))
     if meta.get("num_stages"):
         parts.append(f"{meta['num_stages']} stages")
     if meta.get("micro_batches"):
@@ -162,14 +168,16 @@ def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
     fig.update_layout(title=dict(text="Measured vs modeled"), barmode="overlay", bargap=0.25,
                       font=_FONT, template="plotly_white",
                       height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1]))),
-                      margin=dict(l=10, r=10, t=80, b=40), uniformtext=dict(minsize=8, mode="hide"),
+                      margin=dict(l=10, r=10, t=80, b=40),
+                      uniformtext=dict(minsize=8, mode="hide"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0))
     return fig
 
 
 # -- utilisation ---------------------------------------------------------------------------
 
-def _utilisation_of(source: Union[Timeline, Mapping[str, Any]]) -> Tuple[Dict[Any, float], Optional[float]]:
+def _utilisation_of(source: Union[Timeline, Mapping[str, Any]]
+                    ) -> Tuple[Dict[Any, float], Optional[float]]:
     if isinstance(source, Timeline):
         source = source.utilisation()
     if "per_ipu" in source:
@@ -179,22 +187,24 @@ def _utilisation_of(source: Union[Timeline, Mapping[str, Any]]) -> Tuple[Dict[An
     return per_ipu, overall
 
 
-def utilisation_figure(timeline_or_utilisation: Union[Timeline, Mapping[str, Any]],
+def utilisation_figure(timeline_or_utilisation_dict: Union[Timeline, Mapping[str, Any]],
                        title: Optional[str] = None) -> go.Figure:
     """Busy share of each virtual IPU in %, with the overall value in the title and as a line.
 
     Accepts a :class:`~ipukit.Timeline`, the dict of :meth:`Timeline.utilisation`,
     or a bare ``{ipu: fraction}``.
     """
-    per_ipu, overall = _utilisation_of(timeline_or_utilisation)
+    source = timeline_or_utilisation_dict
+    per_ipu, overall = _utilisation_of(source)
     names = [f"IPU {k}" if isinstance(k, int) else str(k) for k in per_ipu]
     values = [100.0 * v for v in per_ipu.values()]
     label = ""
-    if isinstance(timeline_or_utilisation, Timeline):
-        label = f" — {timeline_or_utilisation.label}"
+    if isinstance(source, Timeline):
+        label = f" — {source.label}"
     heading = (title or "Utilisation per virtual IPU") + label
     if overall is not None:
-        heading += f"<br><sup>overall {100 * overall:.1f}% · bubble {100 * (1 - overall):.1f}%</sup>"
+        heading += (f"<br><sup>overall {100 * overall:.1f}% · "
+                    f"bubble {100 * (1 - overall):.1f}%</sup>")
     fig = go.Figure(go.Bar(x=names, y=values, text=[f"{v:.0f}%" for v in values],
                            textposition="outside", marker_color="#3a9a4b", name="utilisation",
                            hovertemplate="%{x}: %{y:.1f}%<extra></extra>"))
@@ -241,9 +251,10 @@ def memory_figure(report) -> go.Figure:
         if key == "optimizer_state_host_bytes":
             bar["marker_pattern_shape"] = "/"
         fig.add_trace(go.Bar(**bar))
-    kind = data.get("schedule_kind", "")
+    kind = schedule_name(data.get("schedule_kind", ""))
     stash = [st.get("micro_batches_in_flight", 0) for st in stages]
-    sub = f"{kind} · {data.get('micro_batches', '')} micro-batches · stash {stash} micro-batches"
+    sub = (f"{kind} · {data.get('micro_batches', '')} micro-batches · activations of "
+           f"{stash} micro-batches held per stage")
     fig.update_layout(barmode="stack", font=_FONT, template="plotly_white", height=360,
                       title=dict(text=f"Memory per stage<br><sup>{sub}</sup>"),
                       margin=dict(l=10, r=10, t=70, b=40),
@@ -276,8 +287,8 @@ def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
                                  name=key if key == "loss" else "accuracy (%)",
                                  line=dict(color=colour)), secondary_y=secondary)
     fig.update_layout(title=dict(text="Training"), font=_FONT, template="plotly_white", height=320,
-                      margin=dict(l=10, r=10, t=50, b=40),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+                      margin=dict(l=10, r=10, t=60, b=40),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.06, xanchor="right", x=1.0))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="loss", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(title_text="accuracy (%)", range=[0, 100], tickmode="array",

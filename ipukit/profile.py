@@ -15,6 +15,8 @@ import threading
 import weakref
 from typing import Any, Dict
 
+from . import plots
+from .plots import schedule_name
 from .timeline import Timeline
 
 _lock = threading.Lock()
@@ -53,7 +55,7 @@ def _summary(timeline: Timeline) -> Dict[str, Any]:
         "timeline": timeline.label,
         "model": meta.get("model", ""),
         "call": meta.get("call", ""),
-        "schedule": meta.get("kind") or meta.get("schedule", ""),
+        "schedule": schedule_name(meta.get("kind") or meta.get("schedule", "")),
         "stages": meta.get("num_stages", ""),
         "micro-batches per iteration": meta.get("micro_batches", ""),
         "iterations": meta.get("iterations", ""),
@@ -87,8 +89,6 @@ def write_profile(timeline: Timeline, directory: str, model=None) -> Dict[str, s
     ``<stem>.memory.json``). Keys of the result: ``trace``, ``html`` and
     ``memory`` when written.
     """
-    from . import plots
-
     os.makedirs(directory, exist_ok=True)
     stem = profile_stem(timeline, directory, model)
     paths = {"trace": os.path.join(directory, f"{stem}.trace.json"),

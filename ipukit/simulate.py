@@ -218,7 +218,8 @@ def costs_from(timeline: Timeline, statistic: str = "median") -> Dict[str, List[
 
 def play_on_cores(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
                   cores: int, transfers: Optional[Dict[str, Sequence[float]]] = None,
-                  start_time: float = 0.0, replicas: int = 1) -> List[List[List[Tuple[float, float]]]]:
+                  start_time: float = 0.0, replicas: int = 1
+                  ) -> List[List[List[Tuple[float, float]]]]:
     """Like :func:`play`, but at most ``cores`` forwards/backwards run at once.
 
     A CPU runs one worker per lane and replica; when there are more workers
@@ -336,29 +337,36 @@ def _host_spans(measured: Timeline) -> Tuple[float, float]:
     return before, after
 
 
-def model_like(measured: Timeline, cores: Optional[int] = None, host: bool = True,
-               statistic: str = "median") -> Timeline:
+def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: bool = True,
+               statistic: str = "median",
+               costs: Optional[Dict[str, Sequence[float]]] = None) -> Timeline:
     """Model a measured call "from this machine": same schedule, its measured stage costs.
 
     The schedule (kind, stages, micro-batches, iterations, stage IPUs, replicas)
-    comes from ``measured.meta``; every forward/backward/step costs the stage's
-    ``statistic`` over the measured events; with ``host`` the call's set-up and
-    output-gathering spans are kept, so wall time and utilisation compare like
-    for like. ``cores`` models a CPU that can run at most that many actions at
-    once (see :func:`play_on_cores`); ``None`` means one core per worker.
+    comes from ``measured_timeline.meta``; every forward/backward/step costs the stage's
+    ``statistic`` over the measured events, or ``costs`` when given (a
+    ``Timeline.stage_costs()`` dict, e.g. of an uncontended sharded run of the
+    same stages); with ``host`` the call's set-up and output-gathering spans
+    are kept, so wall time and utilisation compare like for like. ``cores``
+    models a CPU that can run at most that many actions at once (see
+    :func:`play_on_cores`); ``None`` means one core per worker.
     """
+    measured = measured_timeline
     meta = measured.meta
     try:
         kind = meta["kind"] if "kind" in meta else meta["schedule"]
         N, M = int(meta["num_stages"]), int(meta["micro_batches"])
     except KeyError as missing:
-        raise ValueError(f"model_like needs a measured timeline with schedule metadata "
-                         f"(meta lacks {missing}); use ipukit.simulate with explicit costs") from None
+        raise ValueError(f"model_like needs a measured timeline with schedule metadata (meta "
+                         f"lacks {missing}); use ipukit.simulate with explicit costs") from None
     iterations = int(meta.get("iterations", 1))
     replicas = int(meta.get("replicas", 1))
     stage_ipus = meta.get("stage_ipus")
     schedule = build(kind, N, M, iterations, stage_ipus)
-    c = measured.stage_costs(statistic)
+    c = measured.stage_costs(statistic) if costs is None else {
+        k: [float(v) for v in costs.get(k, [0.0] * N)] for k in ("forward", "backward", "step")}
+    if any(len(v) != N for v in c.values()):
+        raise ValueError(f"costs: expected one value per stage ({N}) for forward/backward/step")
     if not schedule.training:
         c["backward"], c["step"] = [0.0] * N, [0.0] * N
     before, after = _host_spans(measured) if host else (0.0, 0.0)

@@ -101,7 +101,8 @@ def _timed(fn):
 # -- a CPU with few cores --------------------------------------------------------------------
 
 def _random_case(rng, kind, N, M, iterations=2):
-    costs = {"F": [rng.uniform(0.2, 2) for _ in range(N)], "B": [rng.uniform(0.2, 3) for _ in range(N)],
+    costs = {"F": [rng.uniform(0.2, 2) for _ in range(N)],
+             "B": [rng.uniform(0.2, 3) for _ in range(N)],
              "S": [rng.uniform(0, 0.5) for _ in range(N)]}
     transfers = {"F": [rng.uniform(0, 0.3) for _ in range(N)],
                  "B": [rng.uniform(0, 0.3) for _ in range(N)]}
@@ -178,3 +179,17 @@ def test_model_like_uses_the_measured_schedule_and_medians():
 def test_model_like_needs_schedule_metadata():
     with pytest.raises(ValueError, match="schedule metadata"):
         model_like(Timeline([], meta={}))
+
+
+def test_model_like_with_costs_of_another_run():
+    """E.g. a pipelined run modeled with the uncontended costs of a sharded run."""
+    pipelined = Timeline(ipukit.simulate("1f1b", 3, 6, forward_cost=5.0).events, modeled=False,
+                         meta={"kind": "1f1b", "num_stages": 3, "micro_batches": 6})
+    sharded = ipukit.simulate("sharded", 3, 6, forward_cost=[1.0, 2.0, 1.0],
+                              backward_cost=[2.0, 4.0, 2.0], step_cost=0.5)
+    modeled = model_like(pipelined, costs=sharded.stage_costs())
+    expected = ipukit.simulate("1f1b", 3, 6, forward_cost=[1.0, 2.0, 1.0],
+                               backward_cost=[2.0, 4.0, 2.0], step_cost=0.5)
+    assert sorted(modeled.events) == sorted(expected.events)
+    with pytest.raises(ValueError, match="one value per stage"):
+        model_like(pipelined, costs={"forward": [1.0], "backward": [1.0], "step": [0.0]})

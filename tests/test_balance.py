@@ -1,0 +1,97 @@
+"""Balancing by time: the optimal split, and measured blocks placed by it."""
+import itertools
+import random
+
+import pytest
+import torch
+
+import ipukit
+from ipukit.balance import balance_by_time, best_split, discover_blocks, stage_totals
+from test_timeline import SleepStack
+
+
+def brute_force(costs, k):
+    """Smallest bottleneck over every contiguous split of ``costs`` into ``k`` non-empty parts."""
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), k - 1):
+        bounds = (0, *cuts, len(costs))
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def is_contiguous_split(split, k):
+    return (split[0] == 0 and split[-1] == k - 1
+            and all(b - a in (0, 1) for a, b in zip(split, split[1:])))
+
+
+def test_best_split_is_optimal_against_brute_force():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        k = rng.randint(1, n)
+        costs = [rng.choice([rng.uniform(0, 10), float(rng.randint(1, 4))]) for _ in range(n)]
+        split = best_split(costs, k)
+        assert len(split) == n and is_contiguous_split(split, k)
+        assert max(stage_totals(costs, split)) == pytest.approx(brute_force(costs, k))
+
+
+def test_best_split_edges():
+    assert best_split([5.0, 1.0, 1.0], 1) == [0, 0, 0]
+    assert best_split([5.0, 1.0, 1.0], 3) == [0, 1, 2]
+    assert best_split([1, 1, 10, 1], 3) == [0, 0, 1, 2]
+    assert best_split([1, 1, 1, 10], 2) == [0, 0, 0, 1]
+    with pytest.raises(ValueError, match="every IPU needs a block"):
+        best_split([1.0, 2.0], 3)
+    with pytest.raises(ValueError):
+        best_split([1.0], 0)
+
+
+def test_discover_blocks_in_model_order():
+    net = SleepStack(ms=(0.0, 0.0, 0.0))
+    assert discover_blocks(net, (torch.randn(2, 8), torch.randn(2, 8))) == ["B0", "B1", "B2"]
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    """Block B2 sleeps 10× as long as the others."""
+    net = SleepStack(ms=(2.0, 2.0, 20.0, 2.0))
+    sample = (torch.randn(4, 8), torch.randn(4, 8))
+    before = [p.detach().clone() for p in net.parameters()]
+    result = balance_by_time(net, sample, 3, repeats=3)
+    return net, sample, before, result
+
+
+def test_the_heavy_block_gets_an_ipu_of_its_own(heavy):
+    net, _, _, result = heavy
+    assert result.blocks == ["B0", "B1", "B2", "B3"]
+    assert result.split == [0, 0, 1, 2]
+    assert result.bottleneck == result.stage_costs[1] == result.block_costs[2]
+    assert result.block_costs[2] > 5 * max(result.block_costs[i] for i in (0, 1, 3))
+    # forward and backward both sleep: each is measured, never the other's time
+    assert 0.020 <= result.forward_costs[2] < 0.060 and 0.020 <= result.backward_costs[2] < 0.060
+    assert [s.blocks for s in result.strategy.stages] == [["B0", "B1"], ["B2"], ["B3"]]
+    assert 0 < result.balance < 1
+
+
+def test_balancing_leaves_the_model_as_it_was_and_its_strategy_trains(heavy):
+    net, sample, before, result = heavy
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    opts = ipukit.Options().setExecutionStrategy(result.strategy)
+    opts.Training.gradientAccumulation(5)
+    model = ipukit.trainingModel(net, opts)     # the timing wrapper is gone
+    x, y = sample
+    model(x.repeat(5, 1), y.repeat(5, 1))
+    assert [st.blocks for st in model._plan.partition.stages] == [["B0", "B1"], ["B2"], ["B3"]]
+    assert model._schedule.stage_ipus == [0, 1, 2]
+
+
+def test_with_two_ipus_a_heavy_last_block_stands_alone():
+    net = SleepStack(ms=(2.0, 2.0, 2.0, 15.0))
+    result = balance_by_time(net, (torch.randn(4, 8), torch.randn(4, 8)), 2, repeats=2)
+    assert result.split == [0, 0, 0, 1]
+
+
+def test_balance_errors():
+    net = SleepStack(ms=(0.0, 0.0))
+    with pytest.raises(ValueError, match="every IPU needs"):
+        balance_by_time(net, (torch.randn(2, 8), torch.randn(2, 8)), 3)
