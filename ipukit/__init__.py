@@ -16,7 +16,7 @@ from .ops import (identity_loss, ipu_print_tensor, isRunningOnIpu, nop, recomput
                   set_available_memory)
 from .options import Options, TensorLocationSettings
 from .schedule import Action, Schedule
-from .simulate import costs_from, simulate
+from .simulate import costs_from, model_like, play_on_cores, simulate
 from .strategies import (ParallelPhasedExecution, PipelinedExecution, SerialPhasedExecution,
                          ShardedExecution, Stage)
 from .timeline import Event, Timeline
@@ -51,7 +51,7 @@ __all__ = [
     "HalfFloatCastingBehavior", "MeanReductionStrategy", "Options", "OutputMode",
     "ParallelPhasedExecution", "PipelinedExecution", "PoplarExecutor", "ReductionType",
     "SerialPhasedExecution", "ShardedExecution", "Stage", "SyncPattern", "TensorLocationSettings",
-    "Timeline", "Action", "Schedule", "costs_from", "identity_loss", "inferenceModel",
+    "Timeline", "Action", "Schedule", "costs_from", "model_like", "play_on_cores", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
     "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate",
     "trainingModel",

@@ -516,6 +516,6 @@ class CallRunner:
     def timeline(self, samples: int) -> Timeline:
         events = sorted((e for lane in self.events for e in lane), key=lambda e: (e.start, e.ipu))
         meta = dict(self.schedule.describe())
-        meta.update({"replicas": self.replicas, "samples": samples, "training": self.plan.training,
+        meta.update({"schedule": self.schedule.kind, "replicas": self.replicas, "samples": samples, "training": self.plan.training,
                      "call": self.call_index})
         return Timeline(events, modeled=False, meta=meta)

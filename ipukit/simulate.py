@@ -196,7 +196,8 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
             for lane, lane_times in zip(schedule.lanes, times):
                 events += [new(Event, (s, names[kind], m, start, end, ipus[s], replica, it, 0))
                            for (kind, s, m, it), (start, end) in zip(lane, lane_times)]
-    meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": micro_batches,
+    meta = {"schedule": schedule.kind, "kind": schedule.kind, "num_stages": N,
+            "micro_batches": micro_batches,
             "iterations": iterations, "replicas": replicas,
             "forward_cost": fwd, "backward_cost": bwd, "step_cost": stp,
             "transfer_cost": transfer_cost, "host_overhead": host_overhead}
