@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -224,9 +225,23 @@ def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
             highest = max(highest, stage_id)
 
 
+_TRACE_LOCK = threading.RLock()
+
+
 def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
           strategy: PipelinedExecution) -> Partition:
-    """Trace ``model`` on one micro-batch and cut it into stages."""
+    """Trace ``model`` on one micro-batch and cut it into stages.
+
+    Traces run one at a time: the block recorder and torch.export's tracing
+    state are process-wide, so models compiled from several threads at once
+    (a dashboard's training thread and the notebook, say) take turns.
+    """
+    with _TRACE_LOCK:
+        return _trace(model, flat_inputs, in_spec, strategy)
+
+
+def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
+           strategy: PipelinedExecution) -> Partition:
     from torch.distributed.pipelining import pipeline
 
     flat_model = _FlatModel(model, in_spec, flat_inputs)
