@@ -207,6 +207,10 @@ class PoplarExecutor:
         self._attached = True
 
     def _partition(self, sample, spec, strategy) -> partition.Partition:
+        with partition._TRACE_LOCK:  # the block recorder is process-wide
+            return self._partition_locked(sample, spec, strategy)
+
+    def _partition_locked(self, sample, spec, strategy) -> partition.Partition:
         model = self._user_model
         try:
             return partition.trace(model, sample, spec, strategy)
