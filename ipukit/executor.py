@@ -271,6 +271,8 @@ class CallRunner:
             row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
         if plan.training:
             stash[(a.stage, a.iteration, a.micro_batch)] = (args, outs)
+        if device.type == "cuda" and plan.record:
+            torch.cuda.synchronize(device)  # GPU work is asynchronous: time the work, not the launch
         end = time.perf_counter()  # before publishing: a consumer never starts before this
         for consumer, pos, item in plan.consumers[a.stage]:
             self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
@@ -313,6 +315,8 @@ class CallRunner:
                     acc[i] = g
                 else:
                     acc[i].add_(g)
+        if plan.record and params and params[0].device.type == "cuda":
+            torch.cuda.synchronize(params[0].device)
         end = time.perf_counter()
         stage_args = plan.partition.stages[s].args
         for (pos, _), g in zip(diff_inputs, result):
