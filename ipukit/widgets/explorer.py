@@ -38,11 +38,18 @@ _MNIST_SAMPLES = 60000
 
 
 def update_figure(widget: go.FigureWidget, figure: go.Figure) -> None:
-    """Replace a FigureWidget's traces and layout with those of ``figure``, in one update."""
+    """Replace a FigureWidget's traces and layout with those of ``figure``, in one update.
+
+    The widget keeps its own width and height: plotly's front end does not size a
+    FigureWidget to its box (it falls back to 700 px), so the explorer sets sizes.
+    """
+    width, height = widget.layout.width, widget.layout.height
     with widget.batch_update():
         widget.data = []
         widget.add_traces(list(figure.data))
         widget.layout = figure.layout
+        widget.layout.width = width
+        widget.layout.height = height
 
 
 def _default_datasets(train_limit, test_limit):
@@ -160,25 +167,28 @@ class PipelineExplorer:
         self.stop_button.on_click(lambda _: self.stop())
         self.reset_button.on_click(lambda _: self.reset())
 
-        def fig(height):
-            return go.FigureWidget(layout=dict(height=height, template="plotly_white"))
+        def fig(height, width):
+            return go.FigureWidget(layout=dict(height=height, width=width,
+                                               template="plotly_white"))
 
-        self.modeled_timeline_figure = fig(300)
-        self.modeled_utilisation_figure = fig(320)
-        self.memory_figure = fig(360)
-        self.measured_timeline_figure = fig(300)
-        self.measured_utilisation_figure = fig(320)
-        self.training_figure = fig(320)
+        full, part = 1000, 500
+        self.modeled_timeline_figure = fig(300, full)
+        self.modeled_utilisation_figure = fig(320, part)
+        self.memory_figure = fig(360, part)
+        self.measured_timeline_figure = fig(300, full)
+        self.measured_utilisation_figure = fig(320, part)
+        self.training_figure = fig(320, part)
         self.figures = {"modeled timeline": self.modeled_timeline_figure,
                         "modeled utilisation": self.modeled_utilisation_figure,
                         "memory": self.memory_figure,
                         "measured timeline": self.measured_timeline_figure,
                         "measured utilisation": self.measured_utilisation_figure,
                         "training": self.training_figure}
-        half = W.Layout(width="50%")
+        half = W.Layout(width=f"{part + 10}px")
+        full_box = W.Layout(width=f"{full + 10}px")
         self.modeled_box = W.VBox([
             W.HTML("<h3>Modeled — updates as you move a control (no training)</h3>"),
-            self.summary, self.modeled_timeline_figure,
+            self.summary, W.Box([self.modeled_timeline_figure], layout=full_box),
             W.HBox([W.Box([self.modeled_utilisation_figure], layout=half),
                     W.Box([self.memory_figure], layout=half)])])
         self.measured_box = W.VBox([
@@ -187,7 +197,7 @@ class PipelineExplorer:
             self.status,
             W.HBox([W.Box([self.measured_utilisation_figure], layout=half),
                     W.Box([self.training_figure], layout=half)]),
-            self.measured_timeline_figure])
+            W.Box([self.measured_timeline_figure], layout=full_box)])
         left = W.VBox([self.device_iterations, self.gradient_accumulation, self.micro_batch_size,
                        self.split, self.output_mode, self.output_return_period])
         right = W.VBox([self.execution, self.schedule, self.offload])
