@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import microbatch, partition, schedule as schedules
-from .enums import OutputMode, ReductionType
+from .enums import OutputMode
 from .errors import (Error, InputShapeError, ModelStateError, OptionsError,
                      PipelineConfigError, TracingError)
 from .executor import CallRunner, Plan, StateSnapshot

@@ -21,8 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .enums import (ConnectionType, MeanReductionStrategy, OutputMode, ReductionType,
-                    SyncPattern)
+from .enums import (ConnectionType, MeanReductionStrategy, OutputMode, ReductionType)
 from .errors import FrozenOptionsError, OptionsError, UnknownOptionError
 from .strategies import PipelinedExecution, ShardedExecution
 

@@ -137,24 +137,6 @@ def build(kind: str, num_stages: int, micro_batches: int, iterations: int = 1,
                     _merge_on_ipus(per_stage, stage_ipus, ipus), ipus)
 
 
-def dependencies(action: Action, num_stages: int) -> List[Action]:
-    """What must finish before ``action`` can start, beyond its lane order.
-
-    Stages form a chain: a forward needs the previous stage's forward of the
-    same micro-batch; a backward needs the next stage's backward. (Inputs that
-    skip stages are covered by the chain, transitively.) An optimiser step
-    waits until every lane has finished the iteration's backwards: the
-    pipeline is flushed before the weights change, as in PopART.
-    """
-    if action.kind == FORWARD and action.stage > 0:
-        return [Action(FORWARD, action.stage - 1, action.micro_batch, action.iteration)]
-    if action.kind == BACKWARD:
-        if action.stage < num_stages - 1:
-            return [Action(BACKWARD, action.stage + 1, action.micro_batch, action.iteration)]
-        return [Action(FORWARD, action.stage, action.micro_batch, action.iteration)]
-    return []  # a step waits for its whole iteration: see simulate.play
-
-
 def _merge_on_ipus(per_stage: List[List[Action]], stage_ipus: Sequence[int],
                    ipus: Sequence[int]) -> List[List[Action]]:
     """Stages that share an IPU share its lane, in the order a unit-time run gives.

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn

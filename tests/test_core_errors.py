@@ -1,6 +1,5 @@
 """Every user error is an ipukit.Error that names the option, the value and the fix;
 a failed or interrupted call changes nothing and leaves no worker thread behind."""
-import threading
 
 import pytest
 import torch

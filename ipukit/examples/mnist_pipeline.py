@@ -27,7 +27,7 @@ import argparse
 import importlib.util
 import sys
 import traceback
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
