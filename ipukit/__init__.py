@@ -8,23 +8,31 @@ per-IPU timeline (``model.getTimeline()``).
 from . import optim
 from .blocks import BeginBlock, Block, BlockFunction, removeBlocks
 from .data import AsynchronousDataAccessor, DataLoader
-from .enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
-                    MeanReductionStrategy, OutputMode, ReductionType, SyncPattern)
-from .errors import Error
+from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
+                    HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,
+                    MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
+                    ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
+from .errors import Error, UnsupportedError
 from .model import PoplarExecutor, inferenceModel, trainingModel
-from .ops import (identity_loss, ipu_print_tensor, isRunningOnIpu, nop, recomputationCheckpoint,
-                  set_available_memory)
+from .ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,
+                  dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor,
+                  isRunningOnIpu, nop, recomputationCheckpoint, serializedMatMul,
+                  set_available_memory, set_overlap_for_input, set_overlap_for_output)
 from .options import Options, TensorLocationSettings
 from .schedule import Action, Schedule
 from .simulate import costs_from, model_like, play_on_cores, simulate
-from .strategies import (ParallelPhasedExecution, PipelinedExecution, SerialPhasedExecution,
-                         ShardedExecution, Stage)
+from .strategies import (ParallelPhasedExecution, PhasedExecution, PipelinedExecution,
+                         SerialPhasedExecution, ShardedExecution, Stage)
 from .timeline import Event, Timeline
 
 __version__ = "0.1.0"
 
-# PopTorch exposed its error class as poptorch.poptorch_core.Error.
+# PopTorch exposed its error class as poptorch.poptorch_core.Error, and split
+# errors into recoverable and unrecoverable ones; every ipukit error leaves the
+# model usable, so both names catch ipukit's errors.
 poptorch_core = type("poptorch_core", (), {"Error": Error})
+RecoverableError = Error
+UnrecoverableError = Error
 
 
 def setLogLevel(level) -> None:
@@ -45,6 +53,21 @@ def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
     return False
 
 
+def ipuHardwareVersion() -> int:
+    """PopTorch's IPU generation query; like PopTorch without hardware, it raises."""
+    raise UnsupportedError(
+        "ipuHardwareVersion(): there is no IPU hardware; ipukit runs on virtual IPUs. "
+        "Check ipuHardwareIsAvailable() (always False) before asking for the version.")
+
+
+def load(filename: str, edit_opts_fn=None):
+    """PopTorch loaded compiled IPU executables; there are none off the IPU."""
+    raise UnsupportedError(
+        f"load({filename!r}): ipukit compiles nothing to disk, so there is no "
+        "executable to load. Build the model with trainingModel/inferenceModel and load "
+        "its weights with torch.load + model.load_state_dict instead.")
+
+
 __all__ = [
     "AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockFunction",
     "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "Event",
@@ -54,5 +77,10 @@ __all__ = [
     "Timeline", "Action", "Schedule", "costs_from", "model_like", "play_on_cores", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
     "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate",
-    "trainingModel",
+    "trainingModel", "AnchorMode", "CommGroupType", "Liveness", "MatMulSerializationMode",
+    "MultiConvPlanType", "OverlapMode", "SharingStrategy", "VariableRetrievalMode", "CPU",
+    "MultiConv", "NameScope", "cond", "ctc_beam_search_decoder", "custom_op", "dynamic_slice",
+    "dynamic_update", "for_loop", "serializedMatMul", "set_overlap_for_input",
+    "set_overlap_for_output", "PhasedExecution", "RecoverableError", "UnrecoverableError",
+    "ipuHardwareVersion", "load",
 ]

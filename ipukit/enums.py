@@ -77,3 +77,66 @@ class HalfFloatCastingBehavior(enum.IntEnum):
     FloatDowncastToHalf = 0
     HalfUpcastToFloat = 1
     Default = 2
+
+
+# PopTorch 2.0–2.3 called the output mode the "anchor" mode
+# (``Options.anchorMode(AnchorMode.All)``); the same enumeration under its old name.
+AnchorMode = OutputMode
+
+
+class SharingStrategy(enum.IntEnum):
+    """Accepted for compatibility: how PopTorch's DataLoader shared data with workers."""
+
+    SharedMemory = 0
+    FileSystem = 1
+    Fork = 2
+    ForkServer = 3
+
+
+class MatMulSerializationMode(enum.Enum):
+    """Which dimension :func:`~ipukit.serializedMatMul` splits on (IPU memory only)."""
+
+    InputChannels = "input_channels"
+    ReducingDim = "reducing_dim"
+    OutputChannels = "output_channels"
+    Disabled = "none"
+
+
+class Liveness(enum.IntEnum):
+    """Accepted for compatibility: tensor liveness under phased execution."""
+
+    AlwaysLive = 0
+    OffChipAfterFwd = 1
+    OffChipAfterFwdNoOverlap = 2
+    OffChipAfterEachPhase = 3
+
+
+class OverlapMode(enum.Enum):
+    """How host transfers overlap compute (:func:`~ipukit.set_overlap_for_input`); no effect."""
+
+    NoOverlap = "no_overlap"
+    OverlapAccumulationLoop = "overlap_accumulation_loop"
+    OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
+
+
+class MultiConvPlanType(enum.IntEnum):
+    """How a :class:`~ipukit.MultiConv` plans its convolutions; no effect."""
+
+    Parallel = 0
+    Serial = 1
+
+
+class CommGroupType(enum.IntEnum):
+    """Accepted for compatibility: replica grouping of variables and inputs."""
+
+    All = 0
+    Consecutive = 1
+    Orthogonal = 2
+    NoGrouping = 3
+
+
+class VariableRetrievalMode(enum.IntEnum):
+    """Accepted for compatibility: how grouped replica variables are read back."""
+
+    OnePerGroup = 0
+    AllReplicas = 2

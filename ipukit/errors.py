@@ -45,6 +45,14 @@ class TracingError(Error):
     """The model could not be traced and split into stages."""
 
 
+class OperationError(Error, ValueError):
+    """A PopTorch operation (``for_loop``, ``dynamic_slice``, ...) got arguments it cannot use."""
+
+
+class UnsupportedError(Error, NotImplementedError):
+    """A PopTorch feature that needs IPU hardware or the Poplar SDK."""
+
+
 class ModelStateError(Error):
     """A model method was called in a state that does not allow it."""
 

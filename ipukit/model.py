@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from . import microbatch, partition, schedule as schedules
 from .enums import OutputMode
-from .errors import (Error, InputShapeError, ModelStateError, OptionsError,
+from .errors import (Error, UnsupportedError, InputShapeError, ModelStateError, OptionsError,
                      PipelineConfigError, TracingError)
 from .executor import CallRunner, Plan, StateSnapshot
 from .ops import running_on_ipu
@@ -417,6 +417,19 @@ class PoplarExecutor:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise OptionsError(f"setOptimizer({optimizer!r}): expected a torch.optim.Optimizer.")
         self._optimizer = optimizer
+
+    def compileAndExport(self, filename: str, *args, **kwargs) -> None:
+        """PopTorch saved a compiled IPU executable; ipukit compiles none."""
+        raise UnsupportedError(
+            f"compileAndExport({filename!r}): ipukit has no IPU executable to export; a "
+            "model is traced when first called. Save the weights with "
+            "torch.save(model.state_dict(), ...) instead.")
+
+    def loadExecutable(self, filename: str) -> None:
+        """PopTorch loaded a compiled IPU executable; ipukit compiles none."""
+        raise UnsupportedError(
+            f"loadExecutable({filename!r}): ipukit has no IPU executables; call the model "
+            "(or compile(*inputs)) to prepare it.")
 
     def destroy(self) -> None:
         """Forget the compiled model and unwrap the module (it can be wrapped again)."""

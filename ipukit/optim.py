@@ -99,6 +99,74 @@ class RMSprop(_IpuArguments, torch.optim.RMSprop):
         self._init_ipu(extra)
 
 
+class _Lamb(torch.optim.Optimizer):
+    """LAMB's update rule (torch.optim has none)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                t = state["step"]
+                m_hat, v_hat = ((m / (1 - beta1 ** t), v / (1 - beta2 ** t))
+                                if self.bias_correction else (m, v))
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                weight_norm = p.norm().clamp(max=group["max_weight_norm"])
+                update_norm = update.norm()
+                both = (weight_norm > 0) & (update_norm > 0)
+                trust = torch.where(both, weight_norm / update_norm, torch.ones_like(update_norm))
+                p.sub_(group["lr"] * trust * update)
+        return loss
+
+
+class LAMB(_IpuArguments, _Lamb):
+    """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning"), PopTorch's form.
+
+    Per parameter tensor: Adam's moments (bias-corrected unless
+    ``bias_correction=False``) give ``u = m / (sqrt(v) + eps) + weight_decay * w``;
+    the step is ``w -= lr * trust * u`` with ``trust = min(|w|, max_weight_norm) / |u|``
+    (1 when either norm is 0). PopTorch's defaults: ``lr=1e-3``,
+    ``betas=(0.9, 0.999)``, ``eps=1e-8``, ``weight_decay=1e-2``,
+    ``max_weight_norm=65500``.
+    """
+
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None,
+                 bias_correction=None, max_weight_norm=None, **ipu) -> None:
+        defaults = dict(lr=1e-3 if lr is None else lr,
+                        betas=(0.9, 0.999) if betas is None else tuple(betas),
+                        eps=1e-8 if eps is None else eps,
+                        weight_decay=1e-2 if weight_decay is None else weight_decay,
+                        max_weight_norm=65500.0 if max_weight_norm is None else max_weight_norm)
+        for name in ("lr", "eps", "weight_decay", "max_weight_norm"):
+            if not isinstance(defaults[name], (int, float)) or defaults[name] < 0:
+                raise OptionsError(f"ipukit.optim.LAMB({name}={defaults[name]!r}): "
+                                   "expected a number >= 0.")
+        if not all(0.0 <= b < 1.0 for b in defaults["betas"]):
+            raise OptionsError(f"ipukit.optim.LAMB(betas={defaults['betas']!r}): "
+                               "each beta must be in [0, 1).")
+        unknown = sorted(set(ipu) - set(_IPU_ONLY))
+        if unknown:
+            raise TypeError(f"LAMB.__init__() got unexpected keyword argument(s) {unknown}")
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.bias_correction = True if bias_correction is None else bool(bias_correction)
+        self._init_ipu(_split(ipu)[1])
+
+
 class VariableAttributes:
     """PopTorch's optimizer attribute markers (accepted; no effect)."""
 
@@ -109,5 +177,5 @@ class VariableAttributes:
         pass
 
 
-for _cls in (SGD, Adam, AdamW, RMSprop):
+for _cls in (SGD, Adam, AdamW, RMSprop, LAMB):
     _cls.variable_attrs = VariableAttributes()

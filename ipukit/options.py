@@ -401,6 +401,15 @@ class Options(_OptionGroup):
         """True while the output mode is still ``Default``."""
         return self.output_mode == OutputMode.Default
 
+    # PopTorch 2.0-2.3 called the output mode the "anchor" mode.
+    def anchorMode(self, anchor_mode: OutputMode, anchor_return_period: Optional[int] = None):
+        """The older name of :meth:`outputMode` (``AnchorMode`` is ``OutputMode``)."""
+        return self.outputMode(anchor_mode, anchor_return_period)
+
+    def defaultAnchorMode(self) -> bool:
+        """The older name of :meth:`defaultOutputMode`."""
+        return self.defaultOutputMode()
+
     def setExecutionStrategy(self, strategy: PipelinedExecution) -> "Options":
         """Use a :class:`~ipukit.PipelinedExecution` or :class:`~ipukit.ShardedExecution`."""
         self._check_not_frozen(f"setExecutionStrategy({strategy!r})")

@@ -140,6 +140,10 @@ class ParallelPhasedExecution(_PhasedExecution):
     """Not supported (raises a clear error)."""
 
 
+class PhasedExecution(_PhasedExecution):
+    """Not supported (raises a clear error); PopTorch's older name for phased execution."""
+
+
 class StageAssigner:
     """Maps each block entered during tracing to (stage id, ipu), PopTorch's way.
 

@@ -82,6 +82,7 @@ def test_weights_match_reference(layout, di, ga, r, schedule):
     (ipukit.optim.SGD, {"lr": 0.05, "momentum": 0.9, "velocity_scaling": 2.0}),
     (ipukit.optim.Adam, {"lr": 0.01}),
     (ipukit.optim.RMSprop, {"lr": 0.01}),
+    (ipukit.optim.LAMB, {"lr": 0.01, "max_weight_norm": 2.0}),
 ], ids=lambda v: getattr(v, "__module__", "")[:6] + getattr(v, "__name__", "") if isinstance(v, type) else "")
 def test_optimizers_match_reference(opt_cls, kwargs):
     model, ref, losses, ref_losses, _ = _run("pipelined4", 2, 7, 1, opt_cls=opt_cls,
