@@ -21,7 +21,7 @@ from .ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, cust
 from .options import Options, TensorLocationSettings
 from .schedule import Action, Schedule
 from .simulate import costs_from, model_like, play_on_cores, simulate
-from .strategies import (ParallelPhasedExecution, PhasedExecution, PipelinedExecution,
+from .strategies import (ParallelPhasedExecution, Phase, PhasedExecution, PipelinedExecution,
                          SerialPhasedExecution, ShardedExecution, Stage)
 from .timeline import Event, Timeline
 
@@ -81,6 +81,6 @@ __all__ = [
     "MultiConvPlanType", "OverlapMode", "SharingStrategy", "VariableRetrievalMode", "CPU",
     "MultiConv", "NameScope", "cond", "ctc_beam_search_decoder", "custom_op", "dynamic_slice",
     "dynamic_update", "for_loop", "serializedMatMul", "set_overlap_for_input",
-    "set_overlap_for_output", "PhasedExecution", "RecoverableError", "UnrecoverableError",
+    "set_overlap_for_output", "Phase", "PhasedExecution", "RecoverableError", "UnrecoverableError",
     "ipuHardwareVersion", "load",
 ]

@@ -17,6 +17,10 @@ class OptionsError(Error, ValueError):
     """An option has a value ipukit cannot use."""
 
 
+class ConfigFileError(OptionsError):
+    """A line of an options config file (or JSON) that is not a setter call ipukit can read."""
+
+
 class FrozenOptionsError(Error, AttributeError):
     """Options were modified after being handed to a model or DataLoader."""
 

@@ -322,7 +322,7 @@ class PoplarExecutor:
         tl.events.insert(0, Event(-1, "host", -1, 0.0, t_run - t_call, -1, 0, 0, runner.call_index))
         tl.events.append(Event(-1, "host", -1, t_gather - t_call, now - t_call, -1, 0,
                                batching.device_iterations - 1, runner.call_index))
-        tl.meta["model"] = "training" if self._training else "inference"
+        tl.meta["model"] = self._options.model_name or ("training" if self._training else "inference")
         tl.meta["stage_ipus"] = list(self._schedule.stage_ipus)
         tl.meta["blocks"] = [st.blocks for st in self._plan.partition.stages]
         self._timeline = tl

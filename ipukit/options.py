@@ -305,6 +305,12 @@ class _DistributedOptions(_IgnoredGroup):
         self.numProcesses = 1
         self.processId = 0
 
+    def disable(self) -> "_DistributedOptions":
+        """Run as a single process (ipukit always does)."""
+        self._check_not_frozen("disable()")
+        self.numProcesses, self.processId = 1, 0
+        return self
+
     def configureProcessId(self, process_id: int, num_processes: int):
         self._check_not_frozen(f"configureProcessId({process_id}, {num_processes})")
         if num_processes != 1:
@@ -346,6 +352,7 @@ class Options(_OptionGroup):
         self.cpu_threads_per_ipu: Optional[int] = None
         self.record_timeline = True
         self.profile_dir: Optional[str] = None
+        self.model_name: Optional[str] = None
         self._execution_strategy: PipelinedExecution = PipelinedExecution()
         self.Training = _TrainingOptions()
         self.TensorLocations = _TensorLocationOptions()
@@ -506,6 +513,48 @@ class Options(_OptionGroup):
         clone = copy.deepcopy(self)
         return clone
 
+    def loadFromFile(self, filepath: str) -> "Options":
+        """Apply a PopTorch config file: one setter per line, without ``options.``.
+
+        ``deviceIterations(32)``, ``Training.gradientAccumulation(4)``,
+        ``outputMode(poptorch.OutputMode.All)``; ``#`` comments. Later files
+        and lines override earlier ones. Arguments must be literals or enum
+        values (the file is parsed, not executed).
+        """
+        from .options_config import apply_lines
+
+        with open(filepath, encoding="utf-8") as f:
+            apply_lines(self, f.read().splitlines(), filepath)
+        return self
+
+    def from_json(self, string: str) -> "Options":
+        """Apply ``{"name.of.setter": value}`` pairs, e.g. ``'{"deviceIterations": 4}'``.
+
+        A list value is passed as several arguments; ``"OutputMode.All"``-style
+        strings become enum values.
+        """
+        from .options_config import apply_json
+
+        apply_json(self, string)
+        return self
+
+    def modelName(self, name: str) -> "Options":
+        """The model's name in profiles (default ``training`` / ``inference``)."""
+        self._check_not_frozen(f"modelName({name!r})")
+        if not isinstance(name, str) or not name:
+            raise OptionsError(f"Options.modelName({name!r}): expected a non-empty string.")
+        self.model_name = name
+        return self
+
+    def sourceLocationExcludes(self, excludes: List[str]) -> "Options":
+        """Accepted (PopTorch filtered IR source locations; ipukit prints no IR)."""
+        return self._ignore("sourceLocationExcludes", list(excludes))
+
+    def appendToLocationExcludes(self, *excludes: str) -> "Options":
+        """Accepted (PopTorch filtered IR source locations; ipukit prints no IR)."""
+        previous = self._ignored.get("sourceLocationExcludes", [])
+        return self._ignore("sourceLocationExcludes", list(previous) + list(excludes))
+
     def toDict(self) -> dict:
         """All options as a JSON-serialisable dict."""
         d = {
@@ -524,6 +573,7 @@ class Options(_OptionGroup):
                 "cpu_threads_per_ipu": self.cpu_threads_per_ipu,
                 "record_timeline": self.record_timeline,
                 "profile_dir": self.profile_dir,
+                "model_name": self.model_name,
             },
         }
         ignored = dict(self._ignored)

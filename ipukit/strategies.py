@@ -144,6 +144,10 @@ class PhasedExecution(_PhasedExecution):
     """Not supported (raises a clear error); PopTorch's older name for phased execution."""
 
 
+class Phase(_PhasedExecution):
+    """Not supported (raises a clear error): a phase of phased execution."""
+
+
 class StageAssigner:
     """Maps each block entered during tracing to (stage id, ipu), PopTorch's way.
 

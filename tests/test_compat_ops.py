@@ -266,3 +266,60 @@ def test_lamb_refuses_bad_arguments():
         poptorch.optim.LAMB([nn.Parameter(torch.ones(1))], lr=-1)
     with pytest.raises(TypeError, match="momentum"):
         poptorch.optim.LAMB([nn.Parameter(torch.ones(1))], momentum=0.9)
+
+
+# -- options from files and JSON -------------------------------------------------------
+def test_options_load_from_config_files_in_order(tmp_path):
+    first = tmp_path / "c1.cfg"
+    first.write_text("# training settings\ndeviceIterations(32)\nreplicationFactor(2)\n\n"
+                     "Training.gradientAccumulation(4)\n"
+                     "outputMode(poptorch.OutputMode.EveryN, output_return_period=2)\n"
+                     "Training.accumulationAndReplicationReductionType(ReductionType.Sum)\n"
+                     "Precision.enableStochasticRounding(True)\n")
+    second = tmp_path / "c2.cfg"
+    second.write_text("deviceIterations(4)\n")
+    opts = poptorch.Options().loadFromFile(str(first)).loadFromFile(str(second))
+    assert (opts.device_iterations, opts.replication_factor) == (4, 2)
+    assert opts.Training.gradient_accumulation == 4
+    assert opts.output_mode is poptorch.OutputMode.EveryN and opts.output_return_period == 2
+    assert opts.Training.accumulation_and_replication_reduction_type is poptorch.ReductionType.Sum
+    assert opts.toDict()["ignored"]["Precision"] == {"enableStochasticRounding": True}
+
+
+@pytest.mark.parametrize("line,message", [
+    ("deviceIterations(", "SyntaxError|was never closed|invalid syntax"),
+    ("deviceIterations", "expected a setter call"),
+    ("deviceIterations(__import__('os').getcwd())", "is not a literal or an ipukit/poptorch enum"),
+])
+def test_config_file_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.cfg"
+    path.write_text(f"replicationFactor(2)\n{line}\n")
+    with pytest.raises(poptorch.Error, match=r"line 2 of .*bad.cfg") as info:
+        poptorch.Options().loadFromFile(str(path))
+    assert info.match(message)
+
+
+def test_config_file_unknown_setter_suggests_the_right_name(tmp_path):
+    path = tmp_path / "typo.cfg"
+    path.write_text("deviceIteration(3)\n")
+    with pytest.raises(poptorch.Error, match="Did you mean deviceIterations"):
+        poptorch.Options().loadFromFile(str(path))
+
+
+def test_options_from_json():
+    opts = poptorch.Options().from_json(
+        '{"deviceIterations": 3, "Training.gradientAccumulation": 5, '
+        '"outputMode": "OutputMode.All", "_Popart.set": ["defaultPrefetchBufferingDepth", 3]}')
+    assert (opts.device_iterations, opts.Training.gradient_accumulation) == (3, 5)
+    assert opts.output_mode is poptorch.OutputMode.All
+    with pytest.raises(poptorch.Error, match="not valid JSON"):
+        poptorch.Options().from_json("{deviceIterations: 3}")
+
+
+def test_model_name_names_the_profiles(tmp_path):
+    opts = poptorch.Options().modelName("mnist-eval").profileDir(str(tmp_path))
+    model = poptorch.inferenceModel(nn.Linear(3, 2), opts)
+    model(torch.ones(1, 3))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names and all(n.startswith("mnist-eval-call") for n in names), names
+    assert poptorch.Options().Distributed.disable().numProcesses == 1
