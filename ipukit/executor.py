@@ -15,6 +15,7 @@ leaves the weights and optimiser state as they were before the call.
 """
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -99,6 +100,8 @@ class Plan:
     tensor_inputs: List[int] = field(default_factory=list)
     loss_stage: Optional[int] = None
     loss_item: int = 0
+    # (stage, replica >= 1) -> that replica's copy of a stage module with buffers
+    replica_modules: Dict[Tuple[int, int], torch.nn.Module] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         part = self.partition
@@ -118,6 +121,37 @@ class Plan:
 
     def device_of(self, stage: int) -> torch.device:
         return self.devices.get(self.partition.stages[stage].ipu, torch.device("cpu"))
+
+    def module_for(self, stage: int, replica: int) -> torch.nn.Module:
+        """The module replica ``replica`` runs for ``stage`` (see :meth:`prepare_replicas`)."""
+        mine = self.replica_modules.get((stage, replica))
+        return self.partition.stages[stage].module if mine is None else mine
+
+    def prepare_replicas(self, replicas: int) -> None:
+        """Give replicas 1.. their own buffers, starting from the host's (replica 0's).
+
+        Replicas share the weights, but each has its own buffers (BatchNorm
+        statistics), as each IPU replica had: a replica's statistics see only
+        its own micro-batches, and replicas never race on one tensor. Replica 0
+        runs the user's modules, so the host keeps replica 0's statistics.
+        Called before each call's workers start: copies are made once, then
+        refreshed from the host, so they never go stale.
+        """
+        for index, stage in enumerate(self.partition.stages):
+            original = stage.module
+            if next(original.buffers(), None) is None:
+                continue
+            for replica in range(1, replicas):
+                mine = self.replica_modules.get((index, replica))
+                if mine is None:
+                    shared = {id(p): p for p in original.parameters()}  # deepcopy keeps these
+                    self.replica_modules[(index, replica)] = copy.deepcopy(original, shared)
+                    continue
+                with torch.no_grad():
+                    for theirs, own in zip(original.buffers(), mine.buffers()):
+                        own.copy_(theirs)
+                for theirs, own in zip(original.modules(), mine.modules()):
+                    own.training = theirs.training
 
 
 class StateSnapshot:
@@ -263,7 +297,7 @@ class CallRunner:
                 v = ref.value
             args.append(v)
         ready = time.perf_counter()
-        out = stage.module(*args)
+        out = plan.module_for(a.stage, replica)(*args)
         outs = out if stage.tuple_output else (out,)
         row = self.results[k]
         for j, item in plan.host_outputs[a.stage]:

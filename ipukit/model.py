@@ -283,6 +283,7 @@ class PoplarExecutor:
         batching = self._batching()
         micro = microbatch.split(flat, batching, self._input_names)
         plan = self._plan
+        plan.prepare_replicas(batching.replicas)
         snapshot = StateSnapshot(self._user_model, self._optimizer,
                                  weights=self._training and batching.device_iterations > 1)
         runner = CallRunner(plan, self._schedule, micro, batching.replicas,
