@@ -137,6 +137,8 @@ class Plan:
         Called before each call's workers start: copies are made once, then
         refreshed from the host, so they never go stale.
         """
+        if replicas <= 1:
+            return
         for index, stage in enumerate(self.partition.stages):
             original = stage.module
             if next(original.buffers(), None) is None:
