@@ -244,8 +244,9 @@ class CallRunner:
 
     def __init__(self, plan: Plan, schedule: Schedule, micro_inputs: List[list],
                  replicas: int, optimizer=None, clock_origin: Optional[float] = None,
-                 call_index: int = 0) -> None:
+                 call_index: int = 0, anchors=None) -> None:
         self.plan = plan
+        self.anchors = anchors  # an anchors.AnchorRecorder when tensors are anchored
         self.schedule = schedule
         self.micro_inputs = micro_inputs
         self.replicas = replicas
@@ -346,6 +347,8 @@ class CallRunner:
             result = [None] * len(targets)
         acc = self.accumulators[(replica, s)]
         for i, g in enumerate(result[len(diff_inputs):]):
+            if self.anchors is not None:  # before accumulation changes g in place
+                self.anchors.gradient(self._index(a, replica), s, i, params[i], g)
             if g is not None:
                 if acc[i] is None:
                     acc[i] = g
@@ -394,6 +397,8 @@ class CallRunner:
             t_end = time.perf_counter()
             for p, _ in grads.values():
                 p.grad = None
+            if self.anchors is not None:
+                self.anchors.step_done(iteration)
             if plan.offload_optimizer:
                 transfers += _move_optimizer_state(self.optimizer, to_host=True)
         finally:

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import microbatch, partition, schedule as schedules
+from . import anchors, microbatch, partition, schedule as schedules
 from .enums import OutputMode
 from .errors import (Error, UnsupportedError, InputShapeError, ModelStateError, OptionsError,
                      PipelineConfigError, TracingError)
@@ -119,6 +119,7 @@ class PoplarExecutor:
         d["_input_names"] = None
         d["_shapes"] = None
         d["_output_mode"] = None
+        d["_anchored"] = {}
         d["_positional_specs"] = {}
         if training:
             object.__setattr__(model, "_ipukit_training_wrapper", weakref.ref(self))
@@ -170,6 +171,7 @@ class PoplarExecutor:
         micro = microbatch.split(flat, batching, names)
         mode = microbatch.resolve_output_mode(opts.output_mode, self._training)
         microbatch.check_period(mode, opts.output_return_period, batching)
+        anchors.check(list(opts.anchored_tensors.values()), self._user_model, self._training)
         if opts.random_seed is not None:
             torch.manual_seed(opts.random_seed)
         strategy = opts.execution_strategy
@@ -286,8 +288,10 @@ class PoplarExecutor:
         plan.prepare_replicas(batching.replicas)
         snapshot = StateSnapshot(self._user_model, self._optimizer,
                                  weights=self._training and batching.device_iterations > 1)
+        recorder = self._anchor_recorder(batching)
         runner = CallRunner(plan, self._schedule, micro, batching.replicas,
-                            self._optimizer, clock_origin=t_call, call_index=self._calls)
+                            self._optimizer, clock_origin=t_call, call_index=self._calls,
+                            anchors=recorder)
         t_run = time.perf_counter()
         try:
             with running_on_ipu():
@@ -307,6 +311,8 @@ class PoplarExecutor:
                     row[j] = inputs[plan.tensor_inputs[ref.index]]
         flat_out = microbatch.gather(rows, self._output_mode, opts.output_return_period, batching)
         result = pytree.tree_unflatten(flat_out, part.out_spec)
+        if recorder is not None:
+            self._anchored = recorder.results(self._output_mode, batching)
         self._calls += 1
         if plan.record:
             self._finish_timeline(runner, flat, batching, t_call, t_run, t_gather)
@@ -371,7 +377,34 @@ class PoplarExecutor:
                     "Non-tensor inputs are fixed at compile time; call model.destroy() and wrap "
                     "the model again.")
 
+    def _anchor_recorder(self, batching) -> Optional[anchors.AnchorRecorder]:
+        wanted = self._options.anchored_tensors
+        if not wanted or not self._training:
+            return None
+        names = {id(p): n for n, p in self._user_model.named_parameters()}
+        return anchors.AnchorRecorder(wanted.values(), self._plan.trainable, names,
+                                      batching.factor, batching.device_iterations)
+
     # -- PopTorch's model methods ----------------------------------------------
+    def getTensorNames(self) -> List[str]:
+        """The tensors ``Options.anchorTensor`` can name for this model (see :mod:`ipukit.anchors`)."""
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+        return anchors.tensor_names(self._user_model, self._training)
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchored tensor from the last call."""
+        wanted = self._options.anchored_tensors
+        if short_name not in wanted:
+            raise OptionsError(
+                f"getAnchoredTensor({short_name!r}): no tensor anchored under that name; "
+                f"anchored: {sorted(wanted) or 'none'}. Anchor it first with "
+                f"options.anchorTensor({short_name!r}, 'Gradient___<parameter>').")
+        if short_name not in self._anchored:
+            raise ModelStateError(f"getAnchoredTensor({short_name!r}): run the model first; "
+                                  "anchored tensors are recorded by each call.")
+        return self._anchored[short_name]
+
     def getTimeline(self) -> Optional[Timeline]:
         """The measured :class:`~ipukit.Timeline` of the last call (None before any call)."""
         return self._timeline

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from .anchors import Anchor
 from .enums import (ConnectionType, MeanReductionStrategy, OutputMode, ReductionType)
 from .errors import FrozenOptionsError, OptionsError, UnknownOptionError
 from .strategies import PipelinedExecution, ShardedExecution
@@ -335,7 +336,7 @@ class Options(_OptionGroup):
         "setAvailableMemoryProportion", "enableProfiling", "showCompilationProgressBar",
         "logCycleCount", "useOfflineIpuTarget", "updatableNamedBuffers", "maxRepeatLogs",
         "setExecutionStrategyPhased", "broadcastBuffers", "inputReplicaGrouping",
-        "relaxOptimizerAttributesChecks", "disableModuleNamescope", "anchorTensor",
+        "relaxOptimizerAttributesChecks", "disableModuleNamescope",
         "enableProgressBar", "useIpuModelVersion",
     )
 
@@ -353,6 +354,7 @@ class Options(_OptionGroup):
         self.record_timeline = True
         self.profile_dir: Optional[str] = None
         self.model_name: Optional[str] = None
+        self.anchored_tensors: Dict[str, Anchor] = {}
         self._execution_strategy: PipelinedExecution = PipelinedExecution()
         self.Training = _TrainingOptions()
         self.TensorLocations = _TensorLocationOptions()
@@ -538,6 +540,33 @@ class Options(_OptionGroup):
         apply_json(self, string)
         return self
 
+    def anchorTensor(self, short_name: str, long_name: str,
+                     output_mode: Optional[OutputMode] = None,
+                     output_return_period: Optional[int] = 1) -> "Options":
+        """Return an internal tensor after each call: ``model.getAnchoredTensor(short_name)``.
+
+        ``long_name`` is PopART's name: ``Gradient___<parameter>`` (each
+        micro-batch's gradient) or ``UpdatedVar___<parameter>`` (the weight after
+        each step), for the wrapped module's ``named_parameters()``. The output
+        mode defaults to the model's own (see :mod:`ipukit.anchors`).
+        """
+        self._check_not_frozen(f"anchorTensor({short_name!r}, {long_name!r})")
+        if not isinstance(short_name, str) or not isinstance(long_name, str):
+            raise OptionsError(f"Options.anchorTensor({short_name!r}, {long_name!r}): "
+                               "both names must be strings.")
+        period = 1
+        if output_mode is not None:
+            try:
+                output_mode = OutputMode(output_mode)
+            except ValueError:
+                raise OptionsError(f"Options.anchorTensor(..., output_mode={output_mode!r}): "
+                                   f"use one of {[m.name for m in OutputMode]}.") from None
+            if output_mode == OutputMode.EveryN:
+                period = _positive_int("Options", "anchorTensor(output_return_period)",
+                                       output_return_period)
+        self.anchored_tensors[short_name] = Anchor(short_name, long_name, output_mode, period)
+        return self
+
     def modelName(self, name: str) -> "Options":
         """The model's name in profiles (default ``training`` / ``inference``)."""
         self._check_not_frozen(f"modelName({name!r})")
@@ -575,6 +604,10 @@ class Options(_OptionGroup):
                 "profile_dir": self.profile_dir,
                 "model_name": self.model_name,
             },
+            "anchored_tensors": {
+                a.short_name: [a.long_name, None if a.output_mode is None else a.output_mode.name,
+                               a.output_return_period]
+                for a in self.anchored_tensors.values()},
         }
         ignored = dict(self._ignored)
         for name, group in (("Precision", self.Precision), ("Jit", self.Jit),
