@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import itertools
 import threading
 import warnings
 import weakref
@@ -88,6 +89,7 @@ class Partition:
 
 
 _SEEN: dict = {}
+_KEYS = itertools.count()
 
 
 class _FlatModel(torch.nn.Module):
@@ -95,7 +97,10 @@ class _FlatModel(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, in_spec, template: Sequence) -> None:
         super().__init__()
-        weakref.finalize(self, _SEEN.pop, id(self), None)
+        # an int key, not id(self): torch.export may run a copy of this module
+        # (it does when a submodule is registered twice), and a copy keeps the key
+        self._key = next(_KEYS)
+        weakref.finalize(self, _SEEN.pop, self._key, None)
         self.model = model
         self._in_spec = in_spec
         self._template = list(template)   # non-tensor leaves stay fixed
@@ -124,11 +129,11 @@ class _FlatModel(torch.nn.Module):
     # trace learns about the outputs is kept outside the module.
     @property
     def out_spec(self):
-        return _SEEN.get(id(self), {}).get("spec")
+        return _SEEN.get(self._key, {}).get("spec")
 
     @property
     def out_leaves(self) -> Optional[list]:
-        return _SEEN.get(id(self), {}).get("leaves")
+        return _SEEN.get(self._key, {}).get("leaves")
 
     def forward(self, *tensors):
         if self._positional:
@@ -146,7 +151,7 @@ class _FlatModel(torch.nn.Module):
             return out
         flat, spec = pytree.tree_flatten(out)
         if self._record:
-            _SEEN[id(self)] = {"spec": spec, "leaves": flat}
+            _SEEN[self._key] = {"spec": spec, "leaves": flat}
         return tuple(v for v in flat if isinstance(v, torch.Tensor))
 
 

@@ -1,4 +1,6 @@
 """PopTorch's user-facing API: options, annotations, strategies, DataLoader, model methods."""
+import contextlib
+import copy
 import json
 
 import pytest
@@ -255,3 +257,43 @@ def test_dataloader_batches_feed_the_model():
     for x, y in loader:
         tm(x, y)
     assert tm.getTimeline().meta["samples"] == 12
+
+
+class _SharedActivation(torch.nn.Module):
+    """One ReLU instance registered in two Sequentials (PopTorch's octconv example does this)."""
+
+    def __init__(self, blocks: bool):
+        super().__init__()
+        relu = torch.nn.ReLU()
+        self.blocks = blocks
+        self.a = torch.nn.Sequential(torch.nn.Linear(4, 4), relu)
+        self.b = torch.nn.Sequential(torch.nn.Linear(4, 4), relu)
+
+    def forward(self, x, y):
+        with ipukit.Block("A", ipu_id=0) if self.blocks else contextlib.nullcontext():
+            h = self.a(x)
+        with ipukit.Block("B", ipu_id=1) if self.blocks else contextlib.nullcontext():
+            out = self.b(h)
+            loss = torch.nn.functional.mse_loss(out, y)
+        return out, loss
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["single-stage", "pipelined"])
+def test_a_submodule_registered_twice_trains_like_plain_pytorch(blocks):
+    torch.manual_seed(0)
+    model = _SharedActivation(blocks)
+    ref = copy.deepcopy(model)
+    opts = ipukit.Options()
+    opts.Training.gradientAccumulation(3 if blocks else 1)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    tm = ipukit.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    out, loss = tm(x, y)
+    assert out.shape == (6 // opts.Training.gradient_accumulation, 4) and loss.shape == ()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    mbs = opts.Training.gradient_accumulation
+    for k in range(mbs):
+        sl = slice(k * 6 // mbs, (k + 1) * 6 // mbs)
+        (ref(x[sl], y[sl])[1] / mbs).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
