@@ -156,6 +156,40 @@ class Plan:
                     own.training = theirs.training
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _precision(optimizer) -> Tuple[float, bool]:
+    """(loss scaling, update half-precision weights in float32) for ``optimizer``.
+
+    PopTorch's optimisers take ``loss_scaling`` (default 1) and accumulate
+    gradients and keep their state in ``accum_type`` (default float32) whatever
+    the weights' type; plain torch.optim optimisers get those defaults too.
+    """
+    args = getattr(optimizer, "ipu_arguments", None) or {}
+    scaling = float(args.get("loss_scaling", 1.0))
+    return scaling, args.get("accum_type", torch.float32) != torch.float16
+
+
+@contextmanager
+def _float32_update(params):
+    """Step half-precision weights in float32, then round them back.
+
+    The optimiser then creates and keeps its state (Adam's moments, momentum)
+    in float32: in half precision, Adam's eps (1e-8) rounds to 0 and a zero
+    gradient turns a weight into NaN.
+    """
+    low = [(p, p.dtype) for p in params if p.dtype in LOW_PRECISION]
+    for p, _ in low:
+        p.data = p.data.float()
+    try:
+        yield
+    finally:
+        for p, dtype in low:
+            p.grad = None
+            p.data = p.data.to(dtype)
+
+
 class StateSnapshot:
     """Copies of weights, buffers and optimiser state, to undo a failed call."""
 
@@ -247,6 +281,7 @@ class CallRunner:
                  call_index: int = 0, anchors=None) -> None:
         self.plan = plan
         self.anchors = anchors  # an anchors.AnchorRecorder when tensors are anchored
+        self.loss_scaling, self.float32_updates = _precision(optimizer)
         self.schedule = schedule
         self.micro_inputs = micro_inputs
         self.replicas = replicas
@@ -336,7 +371,8 @@ class CallRunner:
             loss = outs[plan.loss_item]
             if loss.requires_grad:
                 seeds.append(loss)
-                grads.append(torch.ones_like(loss))
+                # loss scaling (PopTorch's optimiser argument): scaled here, unscaled at the step
+                grads.append(torch.full_like(loss, self.loss_scaling))
         diff_inputs = [(pos, v) for pos, v in enumerate(args)
                        if isinstance(v, torch.Tensor) and v.requires_grad]
         params = plan.trainable[s]
@@ -350,6 +386,8 @@ class CallRunner:
             if self.anchors is not None:  # before accumulation changes g in place
                 self.anchors.gradient(self._index(a, replica), s, i, params[i], g)
             if g is not None:
+                if self.float32_updates and g.dtype in LOW_PRECISION:
+                    g = g.float()  # accumulate half-precision gradients in float32
                 if acc[i] is None:
                     acc[i] = g
                 else:
@@ -369,7 +407,7 @@ class CallRunner:
         plan = self.plan
         t_start = time.perf_counter()
         window = self.schedule.micro_batches * self.replicas
-        scale = 1.0 / window if plan.reduction == ReductionType.Mean else 1.0
+        scale = (1.0 / window if plan.reduction == ReductionType.Mean else 1.0) / self.loss_scaling
         grads: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]] = {}
         for s in range(plan.partition.num_stages):
             for r in range(self.replicas):
@@ -387,16 +425,18 @@ class CallRunner:
                     acc[i] = None
         transfers = []
         self._stepping = True  # Ctrl-C now waits until the weights are consistent again
+        params = [p for p, _ in grads.values()]
         try:
-            for p, g in grads.values():
-                p.grad = g.mul_(scale) if scale != 1.0 else g
-            if plan.offload_optimizer:
-                transfers += _move_optimizer_state(self.optimizer, to_host=False)
-            t_opt = time.perf_counter()
-            self.optimizer.step()
-            t_end = time.perf_counter()
-            for p, _ in grads.values():
-                p.grad = None
+            with _float32_update(params if self.float32_updates else ()):
+                for p, g in grads.values():
+                    p.grad = g.mul_(scale) if scale != 1.0 else g
+                if plan.offload_optimizer:
+                    transfers += _move_optimizer_state(self.optimizer, to_host=False)
+                t_opt = time.perf_counter()
+                self.optimizer.step()
+                t_end = time.perf_counter()
+                for p in params:
+                    p.grad = None
             if self.anchors is not None:
                 self.anchors.step_done(iteration)
             if plan.offload_optimizer:

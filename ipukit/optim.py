@@ -1,10 +1,14 @@
 """PopTorch's optimisers: torch.optim's, accepting PopTorch's extra arguments.
 
-``loss_scaling``, ``velocity_scaling`` and the ``*_accum_type`` arguments
-choose IPU number formats; in float32 they change nothing, so they are
-recorded (``optimizer.ipu_arguments``) and otherwise ignored. ``max_grad_norm``
-really clips the global gradient norm before each step. Plain ``torch.optim``
-optimisers work with ipukit models too.
+The extra arguments are recorded in ``optimizer.ipu_arguments``. Two act as in
+PopTorch: ``loss_scaling`` (an ipukit model multiplies the loss by it for the
+backward pass and divides the gradients by it before the step, which keeps
+small half-precision gradients from underflowing), and ``accum_type``: with
+the default float32, half-precision weights are updated in float32 and the
+optimiser keeps its state in float32. ``max_grad_norm`` clips the global
+gradient norm before each step. ``velocity_scaling`` and the momentum
+``*_accum_type`` arguments only chose IPU number formats and change nothing.
+Plain ``torch.optim`` optimisers work with ipukit models too.
 """
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ def _split(kwargs: Dict[str, Any]):
 
 class _IpuArguments:
     def _init_ipu(self, ipu: Dict[str, Any]) -> None:
+        scaling = ipu.get("loss_scaling", 1.0)
+        if not isinstance(scaling, (int, float)) or not 0 < scaling < math.inf:
+            raise OptionsError(f"{type(self).__name__}(loss_scaling={scaling!r}): expected a "
+                               "positive number (the loss is multiplied by it for the backward "
+                               "pass and the gradients divided by it before the update).")
         self.ipu_arguments = dict(ipu)
         norm = ipu.get("max_grad_norm", math.inf)
         self.max_grad_norm = math.inf if norm is None else float(norm)
