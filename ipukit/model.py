@@ -12,6 +12,7 @@ a training model and an inference model of it always see the same weights.
 from __future__ import annotations
 
 import inspect
+import datetime
 import time
 import weakref
 from typing import Any, List, Optional
@@ -28,6 +29,21 @@ from .ops import running_on_ipu
 from .options import Options
 from .strategies import ShardedExecution
 from .timeline import Event, Timeline
+
+# PopTorch model methods that measured or stored IPU-only things: a clear error
+# instead of an AttributeError naming the user's model class.
+_TIMELINE = ("ipukit measures wall-clock spans instead: model.getTimeline() holds every "
+             "micro-batch's forward/backward per virtual IPU and the host's work.")
+_IPU_ONLY_METHODS = {
+    "cycleCount": "there are no IPU cycles to count; " + _TIMELINE,
+    "getPerfCounters": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getHostIpuLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getComputeLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getIpuHostLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "save": ("ipukit has no IPU executable to save; save the weights with "
+             "torch.save(model.state_dict(), path)."),
+}
 
 _NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
                  "model.compile(*inputs)) first.")
@@ -120,12 +136,17 @@ class PoplarExecutor:
         d["_shapes"] = None
         d["_output_mode"] = None
         d["_anchored"] = {}
+        d["_compile_seconds"] = 0.0
         d["_positional_specs"] = {}
         if training:
             object.__setattr__(model, "_ipukit_training_wrapper", weakref.ref(self))
 
     # -- attribute pass-through -------------------------------------------------
     def __getattr__(self, name: str):
+        if name in _IPU_ONLY_METHODS:
+            def unsupported(*args, **kwargs):
+                raise UnsupportedError(f"{name}(): {_IPU_ONLY_METHODS[name]}")
+            return unsupported
         return getattr(self.__dict__["_user_model"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -165,6 +186,7 @@ class PoplarExecutor:
         self._compile(flat, spec, args, kwargs)
 
     def _compile(self, flat, spec, args, kwargs) -> None:
+        started = time.perf_counter()
         opts = self._options
         batching = self._batching()
         names = _input_names(self._user_model, args, kwargs)
@@ -207,6 +229,7 @@ class PoplarExecutor:
         self._output_mode = mode
         self._input_names = names
         self._attached = True
+        self._compile_seconds = time.perf_counter() - started
 
     def _partition(self, sample, spec, strategy) -> partition.Partition:
         with partition._TRACE_LOCK:  # the block recorder is process-wide
@@ -440,6 +463,17 @@ class PoplarExecutor:
         """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
         if self._plan is None:
             raise ModelStateError(_NOT_COMPILED)
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Kept for PopTorch programs: buffers are shared with the host module, nothing to copy."""
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long tracing and partitioning the model took (its "compilation")."""
+        if self._plan is None:
+            raise ModelStateError(_NOT_COMPILED)
+        return datetime.timedelta(seconds=self._compile_seconds)
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         return False

@@ -323,3 +323,17 @@ def test_model_name_names_the_profiles(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names and all(n.startswith("mnist-eval-call") for n in names), names
     assert poptorch.Options().Distributed.disable().numProcesses == 1
+
+
+def test_model_methods_for_ipu_measurements_fail_clearly():
+    model = poptorch.inferenceModel(nn.Linear(2, 2))
+    with pytest.raises(poptorch.Error, match="has not been compiled"):
+        model.compilationTime()
+    model(torch.ones(1, 2))
+    assert 0 < model.compilationTime().total_seconds() < 60
+    model.copyNamedBuffersToDevice()
+    for name in ("getPerfCounters", "getLatency", "cycleCount"):
+        with pytest.raises(poptorch.UnsupportedError, match=rf"{name}\(\).*getTimeline"):
+            getattr(model, name)()
+    with pytest.raises(AttributeError, match="Linear"):  # other names still reach the module
+        model.no_such_method()
