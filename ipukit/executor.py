@@ -160,11 +160,11 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _precision(optimizer) -> Tuple[float, bool]:
-    """(loss scaling, update half-precision weights in float32) for ``optimizer``.
+    """(loss scaling, accumulate half-precision gradients in float32) for ``optimizer``.
 
     PopTorch's optimisers take ``loss_scaling`` (default 1) and accumulate
-    gradients and keep their state in ``accum_type`` (default float32) whatever
-    the weights' type; plain torch.optim optimisers get those defaults too.
+    gradients in ``accum_type`` (default float32) whatever the weights' type;
+    plain torch.optim optimisers get those defaults too.
     """
     args = getattr(optimizer, "ipu_arguments", None) or {}
     scaling = float(args.get("loss_scaling", 1.0))
@@ -281,7 +281,7 @@ class CallRunner:
                  call_index: int = 0, anchors=None) -> None:
         self.plan = plan
         self.anchors = anchors  # an anchors.AnchorRecorder when tensors are anchored
-        self.loss_scaling, self.float32_updates = _precision(optimizer)
+        self.loss_scaling, self.float32_accumulation = _precision(optimizer)
         self.schedule = schedule
         self.micro_inputs = micro_inputs
         self.replicas = replicas
@@ -386,7 +386,7 @@ class CallRunner:
             if self.anchors is not None:  # before accumulation changes g in place
                 self.anchors.gradient(self._index(a, replica), s, i, params[i], g)
             if g is not None:
-                if self.float32_updates and g.dtype in LOW_PRECISION:
+                if self.float32_accumulation and g.dtype in LOW_PRECISION:
                     g = g.float()  # accumulate half-precision gradients in float32
                 if acc[i] is None:
                     acc[i] = g
@@ -427,8 +427,9 @@ class CallRunner:
         self._stepping = True  # Ctrl-C now waits until the weights are consistent again
         params = [p for p, _ in grads.values()]
         try:
-            with _float32_update(params if self.float32_updates else ()):
+            with _float32_update(params):
                 for p, g in grads.values():
+                    g = g.float() if g.dtype in LOW_PRECISION else g  # unscale in float32
                     p.grad = g.mul_(scale) if scale != 1.0 else g
                 if plan.offload_optimizer:
                     transfers += _move_optimizer_state(self.optimizer, to_host=False)

@@ -3,11 +3,12 @@
 The extra arguments are recorded in ``optimizer.ipu_arguments``. Two act as in
 PopTorch: ``loss_scaling`` (an ipukit model multiplies the loss by it for the
 backward pass and divides the gradients by it before the step, which keeps
-small half-precision gradients from underflowing), and ``accum_type``: with
-the default float32, half-precision weights are updated in float32 and the
-optimiser keeps its state in float32. ``max_grad_norm`` clips the global
-gradient norm before each step. ``velocity_scaling`` and the momentum
-``*_accum_type`` arguments only chose IPU number formats and change nothing.
+small half-precision gradients from underflowing), and ``accum_type``, the
+type half-precision gradients are accumulated in (default float32).
+Half-precision weights are always updated in float32 with float32 optimiser
+state (the momentum ``*_accum_type`` arguments are recorded, not emulated).
+``max_grad_norm`` clips the global gradient norm before each step.
+``velocity_scaling`` only chose an IPU number format and changes nothing.
 Plain ``torch.optim`` optimisers work with ipukit models too.
 """
 from __future__ import annotations

@@ -37,23 +37,22 @@ def _data(n):
     return x, torch.randint(0, 4, (n,), generator=g)
 
 
-def _float32_master_reference(model16, x, y, steps, lr):
-    """Gradients in half precision, accumulated and applied in float32, weights rounded back."""
+def _float32_master_reference(model16, x, y, steps, lr, accum=torch.float32, scaling=1.0):
+    """Gradients in half precision, accumulated in ``accum``, applied in float32, weights rounded back."""
     masters = [p.detach().float().requires_grad_() for p in model16.parameters()]
     opt = torch.optim.AdamW(masters, lr=lr)
     mb = x.shape[0] // (steps * GA)
     for it in range(steps):
-        for m in masters:
-            m.grad = torch.zeros_like(m)
+        sums = [torch.zeros_like(m, dtype=accum) for m in masters]
         for k in range(GA):
             sl = slice((it * GA + k) * mb, (it * GA + k + 1) * mb)
             model16.zero_grad()
             _, loss = model16(x[sl], y[sl])
-            loss.backward()
-            for m, p in zip(masters, model16.parameters()):
-                m.grad += p.grad.float()
-        for m in masters:
-            m.grad /= GA
+            (loss * scaling).backward()
+            for total, p in zip(sums, model16.parameters()):
+                total += p.grad.to(accum)
+        for m, total in zip(masters, sums):
+            m.grad = total.float() / (GA * scaling)
         opt.step()
         with torch.no_grad():
             for m, p in zip(masters, model16.parameters()):
@@ -61,18 +60,25 @@ def _float32_master_reference(model16, x, y, steps, lr):
                 m.copy_(p.float())  # and the next step starts from the rounded weights
 
 
-@pytest.mark.parametrize("optimizer", [ipukit.optim.AdamW, torch.optim.AdamW])
-def test_half_precision_weights_are_updated_in_float32(optimizer):
+@pytest.mark.parametrize("optimizer,kwargs", [
+    (ipukit.optim.AdamW, {}),
+    (torch.optim.AdamW, {}),
+    # the mixed-precision tutorial's setting: gradients accumulated in half precision
+    (ipukit.optim.AdamW, {"accum_type": torch.float16, "loss_scaling": 1024}),
+], ids=["ipukit", "torch", "half-accumulation"])
+def test_half_precision_weights_are_updated_in_float32(optimizer, kwargs):
     torch.manual_seed(0)
     model = HalfNet().half()
     ref = clone_model(model)
     x, y = _data(3 * GA * 2)
     opts = ipukit.Options().deviceIterations(3)
     opts.Training.gradientAccumulation(GA)
-    opt = optimizer(model.parameters(), lr=1e-3)
+    opt = optimizer(model.parameters(), lr=1e-3, **kwargs)
     tm = ipukit.trainingModel(model, opts, optimizer=opt)
     tm(x, y)
-    _float32_master_reference(ref, x, y, steps=3, lr=1e-3)
+    _float32_master_reference(ref, x, y, steps=3, lr=1e-3,
+                              accum=kwargs.get("accum_type", torch.float32),
+                              scaling=kwargs.get("loss_scaling", 1.0))
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.dtype == torch.float16 and not p.isnan().any()
         assert torch.allclose(p.float(), q.float(), atol=1e-3, rtol=0), (p - q).abs().max()
