@@ -17,6 +17,7 @@ def _ids(paths):
 def test_the_three_notebooks_exist():
     names = _ids(NOTEBOOKS)
     for expected in ("01_pipelining_walkthrough.ipynb", "02_pipeline_explorer.ipynb",
+                     "04_running_poptorch_code.ipynb",
                      "03_scripts_and_profiles.ipynb"):
         assert expected in names
 

@@ -347,8 +347,15 @@ def check_profiles(nb, plots):
     assert all(len(t["x"]) == shown["stages"] for t in memory["traces"])
 
 
+def check_porting(nb, plots):
+    shown = nb.marker("porting")
+    bars = plot_starting(plots, "Gradient magnitudes")["traces"][0]
+    assert len(bars["y"]) == shown["bars"] and round(sum(bars["y"])) == shown["gradients"]
+
+
 SPECIFIC = {EXPLORER: check_explorer, WALKTHROUGH: check_walkthrough,
-            "03_scripts_and_profiles.ipynb": check_profiles}
+            "03_scripts_and_profiles.ipynb": check_profiles,
+            "04_running_poptorch_code.ipynb": check_porting}
 
 
 # -- the tests -------------------------------------------------------------------------------
