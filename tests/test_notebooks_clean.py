@@ -14,7 +14,7 @@ def _ids(paths):
     return [os.path.basename(p) for p in paths]
 
 
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     names = _ids(NOTEBOOKS)
     for expected in ("01_pipelining_walkthrough.ipynb", "02_pipeline_explorer.ipynb",
                      "04_running_poptorch_code.ipynb",
