@@ -178,9 +178,10 @@ def test(model: ipukit.PoplarExecutor, loader: ipukit.DataLoader) -> float:
     """Mean accuracy over the test batches (every batch has the same size: drop_last)."""
     total = 0.0
     with tqdm(loader, total=len(loader), unit="call") as bar:
-        for data, labels in bar:
+        # count calls here: tqdm updates bar.n lazily, so it lags behind the loop
+        for calls, (data, labels) in enumerate(bar, start=1):
             total += accuracy(model(data), labels)
-            bar.set_postfix(accuracy=f"{total / (bar.n + 1):.2f}%")
+            bar.set_postfix(accuracy=f"{total / calls:.2f}%")
     return total / len(loader)
 
 
