@@ -131,3 +131,31 @@ def test_loss_scaling_keeps_small_half_precision_gradients_alive():
 def test_loss_scaling_must_be_positive():
     with pytest.raises(ipukit.Error, match="loss_scaling=0"):
         ipukit.optim.AdamW([nn.Parameter(torch.ones(1))], loss_scaling=0)
+
+
+def test_a_failed_step_leaves_half_precision_weights_as_they_were():
+    class FailingAdamW(ipukit.optim.AdamW):
+        steps = 0
+
+        def step(self, closure=None):
+            FailingAdamW.steps += 1
+            if FailingAdamW.steps == 2:
+                raise RuntimeError("optimiser failed")
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    model = HalfNet().half()
+    before = [p.detach().clone() for p in model.parameters()]
+    opts = ipukit.Options().deviceIterations(3)
+    opts.Training.gradientAccumulation(GA)
+    opt = FailingAdamW(model.parameters(), lr=1e-3)
+    tm = ipukit.trainingModel(model, opts, optimizer=opt)
+    x, y = _data(3 * GA * 2)
+    with pytest.raises(RuntimeError, match="optimiser failed"):
+        tm(x, y)
+    for p, b in zip(model.parameters(), before):
+        assert p.dtype == torch.float16 and torch.equal(p, b)
+    assert not opt.state  # the first step's state was undone too
+    tm(x, y)  # and the model still trains
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
