@@ -21,6 +21,21 @@ from .errors import OptionsError
 from .options import Options
 
 
+def _warn_incomplete_last_batch(dataset, combined: int, drop_last: bool) -> None:
+    """PopTorch's warning: with drop_last=False the last batch may not fit the model."""
+    try:
+        remainder = len(dataset) % combined
+    except TypeError:  # an iterable dataset has no length
+        return
+    if remainder and not drop_last:
+        warnings.warn(
+            f"ipukit.DataLoader: {len(dataset)} samples and drop_last=False: the last batch "
+            f"will hold {remainder} samples, not the combined batch size {combined}, and a "
+            "compiled model refuses a batch of another size. Use drop_last=True (the "
+            "default), or a dataset size that is a multiple of the combined batch size.",
+            stacklevel=3)
+
+
 class DataLoader(torch.utils.data.DataLoader):
     """``torch.utils.data.DataLoader`` whose batches are whole model calls."""
 
@@ -49,6 +64,7 @@ class DataLoader(torch.utils.data.DataLoader):
                           f"Consider num_workers={cores}.", stacklevel=2)
         if persistent_workers is None:
             persistent_workers = num_workers > 0
+        _warn_incomplete_last_batch(dataset, self._combined_batch_size, drop_last)
         super().__init__(dataset, batch_size=self._combined_batch_size,
                          shuffle=bool(shuffle), num_workers=num_workers, drop_last=drop_last,
                          persistent_workers=persistent_workers, **kwargs)

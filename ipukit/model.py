@@ -376,6 +376,8 @@ class PoplarExecutor:
 
     def _check_signature(self, flat, spec) -> None:
         old_spec, old_sig = self._signature
+        if spec == old_spec:  # a batch that is no multiple of the combined batch: say so first
+            microbatch.split(flat, self._batching(), self._input_names)
         factor = self._batching().factor
         new_sig = _signature(flat, factor)
         if spec != old_spec or len(new_sig) != len(old_sig):

@@ -232,8 +232,23 @@ def test_dataloader_combined_batches():
     assert len(loader) == len(batches) == 2  # drop_last=True by default: 100 // 48
     assert all(b[0].shape == (48, 1) for b in batches)
     assert torch.equal(batches[0][1], torch.arange(48))
-    keep = ipukit.DataLoader(opts, ds, batch_size=4, drop_last=False)
+    with pytest.warns(UserWarning, match="the last batch will hold 4 samples, not the combined batch size 48"):
+        keep = ipukit.DataLoader(opts, ds, batch_size=4, drop_last=False)
     assert len(list(keep)) == 3
+
+
+def test_an_incomplete_last_batch_is_refused_as_a_batch_size_error():
+    ds = torch.utils.data.TensorDataset(torch.randn(100, 8))
+    opts = ipukit.Options().deviceIterations(3)
+    with pytest.warns(UserWarning, match="drop_last=False"):
+        loader = ipukit.DataLoader(opts, ds, batch_size=16, drop_last=False)
+    model = ipukit.inferenceModel(nn.Linear(8, 2), opts)
+    *full, (last,) = list(loader)
+    for (x,) in full:
+        model(x)
+    assert last.shape[0] == 100 - 2 * 48
+    with pytest.raises(ipukit.errors.BatchSizeError, match=r"batch dimension \(4\) must be a multiple"):
+        model(last)
 
 
 def test_async_dataloader_yields_the_same_batches():
