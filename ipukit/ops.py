@@ -106,8 +106,8 @@ def _tensor_arg(op: str, name: str, value) -> torch.Tensor:
 
 def _int_arg(op: str, name: str, value, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise OperationError(f"ipukit.{op}: {name}={value!r} must be an int >= {minimum} "
-                             "(a constant: it fixes the shape of the result).")
+        raise OperationError(f"ipukit.{op}: {name}={value!r} must be a Python int >= "
+                             f"{minimum} (a constant of the traced step, not a tensor).")
     return value
 
 
