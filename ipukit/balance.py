@@ -160,11 +160,11 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple,
     Learning rate 0 and restored weights, buffers and random state leave the
     user's model as it was; a training wrapper the user already has stays.
     """
-    from .model import trainingModel
+    from .model import _TRAINING_WRAPPERS, trainingModel
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    wrapper_ref = model.__dict__.pop("_ipukit_training_wrapper", None)
+    wrapper_ref = _TRAINING_WRAPPERS.pop(model, None)
     try:
         with unchanged_state([model], weights=True):
             timing = trainingModel(model, options, optimizer)
@@ -176,7 +176,7 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple,
                 timing.destroy()
     finally:
         if wrapper_ref is not None:
-            model.__dict__["_ipukit_training_wrapper"] = wrapper_ref
+            _TRAINING_WRAPPERS[model] = wrapper_ref
 
 
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],

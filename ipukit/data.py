@@ -75,13 +75,18 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._combined_batch_size
 
     def __iter__(self) -> Iterator[Any]:
+        self.terminate()  # a pass left early must stop loading before torch's iterator resets
         it = super().__iter__()
         if self._mode == DataLoaderMode.Sync:
             return it
-        return _prefetch(it, self._async_options.get("buffer_size", 3))
+        self._prefetch = _Prefetch(it, self._async_options.get("buffer_size", 3))
+        return self._prefetch
 
     def terminate(self) -> None:
-        """PopTorch's method to stop async workers; nothing to stop between iterations here."""
+        """Stop loading ahead for the current pass (PopTorch's method)."""
+        active = self.__dict__.pop("_prefetch", None)
+        if active is not None:
+            active.close()
 
 
 class AsynchronousDataAccessor:
@@ -95,44 +100,70 @@ class AsynchronousDataAccessor:
         return len(self._dataset)
 
     def __iter__(self):
-        return _prefetch(iter(self._dataset), self._buffer_size)
+        self.terminate()
+        self._prefetch = _Prefetch(iter(self._dataset), self._buffer_size)
+        return self._prefetch
 
     def terminate(self) -> None:
-        pass
+        """Stop loading ahead for the current pass."""
+        active = self.__dict__.pop("_prefetch", None)
+        if active is not None:
+            active.close()
 
 
 _END = object()
 
 
-def _prefetch(iterator: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Yield from ``iterator`` while a daemon thread loads up to ``depth`` items ahead."""
-    buffer: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, depth))
-    stop = threading.Event()
+class _Prefetch:
+    """Iterates ``iterator`` while a daemon thread loads up to ``depth`` items ahead.
 
-    def load() -> None:
+    ``close()`` stops the thread and waits for it, so a new pass over a
+    DataLoader never shares torch's (persistent-worker) iterator with the
+    loading thread of a pass that was left early.
+    """
+
+    def __init__(self, iterator: Iterator[Any], depth: int) -> None:
+        self._buffer: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._load, args=(iterator,),
+                                        name="ipukit-dataloader", daemon=True)
+        self._thread.start()
+
+    def _load(self, iterator: Iterator[Any]) -> None:
         try:
             for item in iterator:
-                while not stop.is_set():
+                while not self._stop.is_set():
                     try:
-                        buffer.put(item, timeout=0.1)
+                        self._buffer.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
-                if stop.is_set():
+                if self._stop.is_set():
                     return
-            buffer.put(_END)
+            self._buffer.put(_END)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            buffer.put(exc)
+            self._buffer.put(exc)
 
-    thread = threading.Thread(target=load, name="ipukit-dataloader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = buffer.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
+    def __iter__(self) -> "_Prefetch":
+        return self
+
+    def __next__(self) -> Any:
+        if self._stop.is_set():
+            raise StopIteration
+        item = self._buffer.get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop loading ahead; returns once the loading thread has finished."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __del__(self) -> None:
+        self._stop.set()

@@ -46,8 +46,18 @@ def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str])
         if not isinstance(value, torch.Tensor):
             pieces.append([value] * factor)
             continue
-        size = value.shape[0] if value.dim() > 0 else 1
-        if value.dim() == 0 or size % factor != 0:
+        if value.dim() == 0:
+            if factor == 1:  # one micro-batch per call: a 0-d input passes as is, as in PopTorch
+                pieces.append([value])
+                continue
+            raise BatchSizeError(
+                f"Invalid batch dimension: the input {name} is a 0-d tensor, but each call "
+                f"consumes {factor} micro-batches (deviceIterations × replicationFactor × "
+                "gradientAccumulation), so every input needs a batch dimension to split. "
+                "Give it one (e.g. x.reshape(1) per micro-batch, stacked), or use a combined "
+                "batch of 1.")
+        size = value.shape[0]
+        if size % factor != 0:
             raise BatchSizeError(
                 f"Invalid batch dimension: in the input {name} of shape {tuple(value.shape)}, "
                 f"the batch dimension ({size}) must be a multiple of "

@@ -139,7 +139,7 @@ class PoplarExecutor:
         d["_compile_seconds"] = 0.0
         d["_positional_specs"] = {}
         if training:
-            object.__setattr__(model, "_ipukit_training_wrapper", weakref.ref(self))
+            _TRAINING_WRAPPERS[model] = weakref.ref(self)
 
     # -- attribute pass-through -------------------------------------------------
     def __getattr__(self, name: str):
@@ -507,10 +507,19 @@ class PoplarExecutor:
         self._schedule = None
         self._signature = None
         self._attached = False
-        if self._training:
-            ref = self._user_model.__dict__.get("_ipukit_training_wrapper")
-            if ref is not None and ref() is self:
-                del self._user_model.__dict__["_ipukit_training_wrapper"]
+        if self._training and training_wrapper(self._user_model) is self:
+            del _TRAINING_WRAPPERS[self._user_model]
+
+
+# module -> its training wrapper (weakly on both sides). Kept out of the module's
+# own attributes, so torch.save(module) and copy.deepcopy(module) work as usual.
+_TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def training_wrapper(model: torch.nn.Module) -> Optional[PoplarExecutor]:
+    """The live training model wrapping ``model``, if any."""
+    ref = _TRAINING_WRAPPERS.get(model)
+    return None if ref is None else ref()
 
 
 def _unwrap(model):
@@ -526,8 +535,7 @@ def trainingModel(model: torch.nn.Module, options: Optional[Options] = None,
     model = _unwrap(model)
     if not isinstance(model, torch.nn.Module):
         raise OptionsError(f"trainingModel({model!r}): expected a torch.nn.Module.")
-    ref = model.__dict__.get("_ipukit_training_wrapper")
-    if ref is not None and ref() is not None:
+    if training_wrapper(model) is not None:
         raise ModelStateError(
             "Model has already been wrapped in 'ipukit.trainingModel'. Call model.destroy() on "
             "the existing training model to unwrap it before wrapping again.")

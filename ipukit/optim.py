@@ -42,6 +42,15 @@ class _IpuArguments:
         norm = ipu.get("max_grad_norm", math.inf)
         self.max_grad_norm = math.inf if norm is None else float(norm)
 
+    def __getstate__(self):
+        # torch.optim keeps only defaults, state and param_groups; copies and
+        # pickles must keep PopTorch's arguments too
+        state = super().__getstate__()
+        for name, value in self.__dict__.items():
+            if not name.startswith("_") and name not in state:
+                state[name] = value
+        return state
+
     def _clip(self) -> None:
         if math.isfinite(self.max_grad_norm):
             params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]

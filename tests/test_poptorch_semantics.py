@@ -1,0 +1,78 @@
+"""Smaller PopTorch behaviours that programs rely on (found by running PopTorch's own tests)."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ipukit as poptorch
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, t):
+        out = self.fc(x)
+        return out, nn.functional.cross_entropy(out, t)
+
+
+def test_a_wrapped_module_can_still_be_saved_and_copied():
+    model = _Model()
+    tm = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    tm(torch.randn(5, 4), torch.randint(0, 2, [5]))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded.fc.weight, model.fc.weight)
+    assert torch.equal(copy.deepcopy(model).fc.bias, model.fc.bias)
+    # the wrapping is still known: a second training wrapper is refused until destroy()
+    with pytest.raises(poptorch.Error, match="already been wrapped"):
+        poptorch.trainingModel(model)
+    tm.destroy()
+    poptorch.trainingModel(model)
+
+
+def test_a_copied_optimizer_keeps_poptorch_arguments():
+    model = _Model()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.05, loss_scaling=0.5, max_grad_norm=1.0)
+    tm = poptorch.trainingModel(model, optimizer=opt)
+    x, t = torch.randn(2, 4), torch.randint(0, 2, [2])
+    tm(x, t)
+    for twin in (copy.copy(opt), copy.deepcopy(opt)):
+        assert twin.ipu_arguments == opt.ipu_arguments and twin.max_grad_norm == 1.0
+    tm.setOptimizer(copy.copy(opt))
+    tm(x, t)
+
+
+class _Counting(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return torch.full([2], float(i))
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_an_async_pass_left_early_does_not_break_the_next_one(persistent):
+    loader = poptorch.DataLoader(poptorch.Options(), _Counting(), batch_size=1, num_workers=1,
+                                 persistent_workers=persistent, mode=poptorch.DataLoaderMode.Async)
+    for i, _ in enumerate(loader):
+        if i == 4:
+            break
+    assert [int(t[0, 0]) for t in loader] == list(range(10))
+    loader.terminate()
+    assert not [t for t in __import__("threading").enumerate() if t.name == "ipukit-dataloader"]
+
+
+def test_a_0d_input_runs_when_a_call_is_one_micro_batch():
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    assert poptorch.inferenceModel(Square())(torch.tensor(3.0)).item() == 9.0
+    with pytest.raises(poptorch.Error, match="is a 0-d tensor, but each call consumes 2"):
+        poptorch.inferenceModel(Square(), poptorch.Options().deviceIterations(2))(torch.tensor(3.0))
