@@ -13,7 +13,8 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
                     ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
 from .errors import Error, UnsupportedError
-from .model import PoplarExecutor, inferenceModel, trainingModel
+from .model import (PoplarExecutor, inferenceModel, registerPostCompileHook,
+                    registerPreCompileHook, trainingModel)
 from .ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,
                   dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor,
                   isRunningOnIpu, nop, recomputationCheckpoint, serializedMatMul,
@@ -35,17 +36,24 @@ RecoverableError = Error
 UnrecoverableError = Error
 
 
+_LOG_LEVELS = {"TRACE": (0, 10), "DEBUG": (1, 10), "INFO": (2, 20), "WARN": (3, 30),
+               "ERR": (4, 40), "OFF": (6, 50)}
+
+
 def setLogLevel(level) -> None:
-    """PopTorch's log level; maps onto the ``ipukit`` logger."""
+    """PopTorch's log level (``"TRACE"`` ... ``"OFF"``, or 0-4, 6); sets the ``ipukit`` logger."""
     import logging
 
-    names = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING,
-             4: logging.ERROR, 5: logging.CRITICAL, 6: logging.CRITICAL + 10}
-    if isinstance(level, str):
-        value = getattr(logging, level.upper(), logging.INFO)
-    else:
-        value = names.get(int(level), logging.INFO)
-    logging.getLogger("ipukit").setLevel(value)
+    if isinstance(level, int) and not isinstance(level, bool):
+        names = [name for name, (number, _) in _LOG_LEVELS.items() if number == level]
+        if not names:
+            raise ValueError(f"setLogLevel({level}): invalid log level integer; use 0-4 or 6, "
+                             f"or one of {list(_LOG_LEVELS)}.")
+        level = names[0]
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"Unknown log level: {level}. Valid values are "
+                         f"{', '.join(sorted(_LOG_LEVELS))}.")
+    logging.getLogger("ipukit").setLevel(_LOG_LEVELS[level][1])
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
@@ -82,5 +90,5 @@ __all__ = [
     "MultiConv", "NameScope", "cond", "ctc_beam_search_decoder", "custom_op", "dynamic_slice",
     "dynamic_update", "for_loop", "serializedMatMul", "set_overlap_for_input",
     "set_overlap_for_output", "Phase", "PhasedExecution", "RecoverableError", "UnrecoverableError",
-    "ipuHardwareVersion", "load",
+    "ipuHardwareVersion", "load", "registerPreCompileHook", "registerPostCompileHook",
 ]

@@ -12,12 +12,14 @@ a training model and an inference model of it always see the same weights.
 from __future__ import annotations
 
 import inspect
+import collections
 import datetime
 import time
 import weakref
 from typing import Any, List, Optional
 
 import torch
+import torch.utils.hooks
 from torch.utils import _pytree as pytree
 
 from . import anchors, microbatch, partition, schedule as schedules
@@ -187,6 +189,8 @@ class PoplarExecutor:
 
     def _compile(self, flat, spec, args, kwargs) -> None:
         started = time.perf_counter()
+        for hook in list(_PRE_COMPILE_HOOKS.values()):
+            hook()
         opts = self._options
         batching = self._batching()
         names = _input_names(self._user_model, args, kwargs)
@@ -230,6 +234,8 @@ class PoplarExecutor:
         self._input_names = names
         self._attached = True
         self._compile_seconds = time.perf_counter() - started
+        for hook in list(_POST_COMPILE_HOOKS.values()):
+            hook()
 
     def _partition(self, sample, spec, strategy) -> partition.Partition:
         with partition._TRACE_LOCK:  # the block recorder is process-wide
@@ -520,6 +526,24 @@ def training_wrapper(model: torch.nn.Module) -> Optional[PoplarExecutor]:
     """The live training model wrapping ``model``, if any."""
     ref = _TRAINING_WRAPPERS.get(model)
     return None if ref is None else ref()
+
+
+_PRE_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
+_POST_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
+
+
+def registerPreCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
+    """Call ``hook()`` before any model is compiled (traced); ``handle.remove()`` undoes it."""
+    handle = torch.utils.hooks.RemovableHandle(_PRE_COMPILE_HOOKS)
+    _PRE_COMPILE_HOOKS[handle.id] = hook
+    return handle
+
+
+def registerPostCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
+    """Call ``hook()`` after any model is compiled; ``handle.remove()`` undoes it."""
+    handle = torch.utils.hooks.RemovableHandle(_POST_COMPILE_HOOKS)
+    _POST_COMPILE_HOOKS[handle.id] = hook
+    return handle
 
 
 def _unwrap(model):

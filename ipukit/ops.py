@@ -5,6 +5,7 @@ the loss that backpropagation starts from.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable, List, Optional
 
@@ -72,7 +73,13 @@ class running_on_ipu:
 
 
 def ipu_print_tensor(tensor: torch.Tensor, title: str = "", *args, **kwargs) -> torch.Tensor:
-    """Identity (PopTorch printed the tensor from the IPU)."""
+    """Prints ``title: tensor`` to standard error each time it runs, and returns ``tensor``.
+
+    In a model split into several stages (traced), it prints nothing: the
+    printing is not part of the traced step.
+    """
+    if not torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        print(f"{title}: {tensor}" if title else str(tensor), file=sys.stderr, flush=True)
     return tensor
 
 
@@ -224,6 +231,17 @@ def _positions(op: str, tensor: torch.Tensor, start, size: int, step: int = 1) -
     return start.reshape(()).long() + torch.arange(0, size, step, device=tensor.device)
 
 
+def _check_in_range(op: str, index: torch.Tensor, length: int) -> None:
+    """Eagerly, a slice past the end is an error naming it (traced, the position is data)."""
+    if _tracing():
+        return
+    first, last = int(index[0]), int(index[-1])
+    if first < 0 or last >= length:
+        raise OperationError(f"ipukit.{op}: the slice [{first}..{last}] falls outside the "
+                             f"dimension of size {length}; keep start within 0..{length - 1} "
+                             "and start + size within the dimension.")
+
+
 def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
                   step: int) -> torch.Tensor:
     """``tensor[start:start + size:step]`` along ``dim``, with ``start`` a tensor.
@@ -232,10 +250,17 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
     is data, so one traced step serves every start.
     """
     _tensor_arg("dynamic_slice", "tensor", tensor)
+    _tensor_arg("dynamic_slice", "start", start)
     _int_arg("dynamic_slice", "dim", dim)
     _int_arg("dynamic_slice", "size", size, minimum=1)
     _int_arg("dynamic_slice", "step", step, minimum=1)
-    return tensor.index_select(dim, _positions("dynamic_slice", tensor, start, size, step))
+    length = tensor.shape[dim]
+    if length % size:  # PopTorch's rule for dynamic slices
+        raise OperationError(f"ipukit.dynamic_slice: the size of the slice ({size}) must be a "
+                             f"factor of the slicing dimension ({length}).")
+    index = _positions("dynamic_slice", tensor, start, size, step)
+    _check_in_range("dynamic_slice", index, length)
+    return tensor.index_select(dim, index)
 
 
 def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,
@@ -253,7 +278,9 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
     if src.shape[dim] != size:
         raise OperationError(f"ipukit.dynamic_update: src has {src.shape[dim]} element(s) "
                              f"along dim {dim} but size={size}; they must match.")
-    return input.index_copy(dim, _positions(op, input, start, size), src)
+    index = _positions(op, input, start, size)
+    _check_in_range(op, index, input.shape[dim])
+    return input.index_copy(dim, index, src)
 
 
 class CPU:

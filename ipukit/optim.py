@@ -21,6 +21,7 @@ import torch
 from .errors import OptionsError
 
 _IPU_ONLY = ("loss_scaling", "velocity_scaling", "use_combined_accum", "accum_type",
+             "velocity_accum_type",
              "first_order_momentum_accum_type", "second_order_momentum_accum_type",
              "max_grad_norm", "use_tf_variant", "max_weight_norm")
 

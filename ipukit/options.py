@@ -16,6 +16,7 @@ ipukit's own additions (documented in the README):
 from __future__ import annotations
 
 import copy
+import os
 import difflib
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -362,6 +363,9 @@ class Options(_OptionGroup):
         self.Jit = _JitOptions()
         self.Distributed = _DistributedOptions()
         self._Popart = _PopartOptions()
+        defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
+        if defaults:  # PopTorch applied these JSON settings to every new Options()
+            self.from_json(defaults)
 
     def __getattr__(self, name: str):
         if name in Options._ignored_setters:

@@ -76,3 +76,67 @@ def test_a_0d_input_runs_when_a_call_is_one_micro_batch():
     assert poptorch.inferenceModel(Square())(torch.tensor(3.0)).item() == 9.0
     with pytest.raises(poptorch.Error, match="is a 0-d tensor, but each call consumes 2"):
         poptorch.inferenceModel(Square(), poptorch.Options().deviceIterations(2))(torch.tensor(3.0))
+
+
+def test_set_log_level_accepts_poptorch_levels_only():
+    import logging
+
+    poptorch.setLogLevel("ERR")
+    assert logging.getLogger("ipukit").level == logging.ERROR
+    poptorch.setLogLevel(2)
+    assert logging.getLogger("ipukit").level == logging.INFO
+    with pytest.raises(ValueError, match="invalid log level integer"):
+        poptorch.setLogLevel(5)
+    with pytest.raises(ValueError, match="Unknown log level: wibble. Valid values are DEBUG"):
+        poptorch.setLogLevel("wibble")
+    poptorch.setLogLevel("WARN")
+
+
+def test_default_options_from_the_environment(monkeypatch):
+    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS",
+                       '{"deviceIterations": 5, "Training.gradientAccumulation": 2}')
+    opts = poptorch.Options()
+    assert opts.device_iterations == 5 and opts.Training.gradient_accumulation == 2
+    assert poptorch.Options().deviceIterations(3).device_iterations == 3  # still overridable
+
+
+def test_velocity_accum_type_is_accepted_and_recorded():
+    opt = poptorch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1,
+                             velocity_accum_type=torch.float16)
+    assert opt.ipu_arguments["velocity_accum_type"] == torch.float16
+
+
+def test_dynamic_slice_checks_size_and_range_like_poptorch():
+    t = torch.arange(8.0)
+    with pytest.raises(poptorch.Error, match=r"size of the slice \(7\) must be a factor of the "
+                                             r"slicing dimension \(8\)"):
+        poptorch.dynamic_slice(t, 0, torch.tensor([0]), 7, 1)
+    with pytest.raises(poptorch.Error, match=r"slice \[6..9\] falls outside"):
+        poptorch.dynamic_slice(t, 0, torch.tensor([6]), 4, 1)
+    with pytest.raises(poptorch.Error, match="falls outside"):
+        poptorch.dynamic_update(t, torch.zeros(2), 0, torch.tensor([7]), 2)
+
+
+def test_compile_hooks_run_around_compilation_until_removed():
+    calls = []
+    pre = poptorch.registerPreCompileHook(lambda: calls.append("pre"))
+    post = poptorch.registerPostCompileHook(lambda: calls.append("post"))
+    model = poptorch.inferenceModel(nn.Linear(2, 2))
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))  # compiled once
+    assert calls == ["pre", "post"]
+    pre.remove()
+    post.remove()
+    poptorch.inferenceModel(nn.Linear(2, 2))(torch.ones(1, 2))
+    assert calls == ["pre", "post"]
+
+
+def test_ipu_print_tensor_prints_each_run(capfd):
+    class Printing(nn.Module):
+        def forward(self, x):
+            return poptorch.ipu_print_tensor(x * 2, "doubled")
+
+    model = poptorch.inferenceModel(Printing())
+    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))
+    assert capfd.readouterr().err.count("doubled: tensor([[2., 2.]])") == 2
