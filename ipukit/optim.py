@@ -75,32 +75,81 @@ class SGD(_IpuArguments, torch.optim.SGD):
         self._init_ipu(extra)
 
 
-class Adam(_IpuArguments, torch.optim.Adam):
-    """``torch.optim.Adam`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``)."""
+class _BiasCorrection:
+    """PopTorch's ``bias_correction`` switch for Adam and AdamW (torch.optim's are always on)."""
+
+    _decoupled_weight_decay = False
+
+    def _init_bias_correction(self, bias_correction) -> None:
+        self.bias_correction = True if bias_correction is None else bool(bias_correction)
+        if not self.bias_correction and any(g.get("amsgrad") for g in self.param_groups):
+            raise OptionsError(f"{type(self).__name__}(bias_correction=False, amsgrad=True): "
+                               "ipukit implements bias_correction=False without amsgrad only.")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.bias_correction:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._clip()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if group.get("maximize") is not True else -p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                if decay and self._decoupled_weight_decay:
+                    p.mul_(1 - lr * decay)
+                elif decay:
+                    grad = grad + decay * p
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                p.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(eps), value=-lr)
+        return loss
+
+
+class Adam(_BiasCorrection, _IpuArguments, torch.optim.Adam):
+    """``torch.optim.Adam`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``,
+    ``bias_correction``)."""
 
     def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
                  foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
-                 **ipu) -> None:
+                 bias_correction=None, **ipu) -> None:
         kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                 amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                                 capturable=capturable, differentiable=differentiable, fused=fused,
                                 **ipu))
         torch.optim.Adam.__init__(self, params, **kw)
         self._init_ipu(extra)
+        self._init_bias_correction(bias_correction)
 
 
-class AdamW(_IpuArguments, torch.optim.AdamW):
-    """``torch.optim.AdamW`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``)."""
+class AdamW(_BiasCorrection, _IpuArguments, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``,
+    ``bias_correction``)."""
+
+    _decoupled_weight_decay = True
 
     def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
                  foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
-                 **ipu) -> None:
+                 bias_correction=None, **ipu) -> None:
         kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                 amsgrad=amsgrad, foreach=foreach, maximize=maximize,
                                 capturable=capturable, differentiable=differentiable, fused=fused,
                                 **ipu))
         torch.optim.AdamW.__init__(self, params, **kw)
         self._init_ipu(extra)
+        self._init_bias_correction(bias_correction)
 
 
 class RMSprop(_IpuArguments, torch.optim.RMSprop):

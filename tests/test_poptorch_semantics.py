@@ -140,3 +140,35 @@ def test_ipu_print_tensor_prints_each_run(capfd):
     model(torch.ones(1, 2))
     model(torch.ones(1, 2))
     assert capfd.readouterr().err.count("doubled: tensor([[2., 2.]])") == 2
+
+
+@pytest.mark.parametrize("cls,decoupled", [(poptorch.optim.AdamW, True), (poptorch.optim.Adam, False)])
+def test_adam_without_bias_correction_follows_its_definition(cls, decoupled):
+    torch.manual_seed(0)
+    w0 = torch.randn(5)
+    grads = [torch.randn(5) for _ in range(3)]
+    p = nn.Parameter(w0.clone())
+    opt = cls([p], lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05, bias_correction=False)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    w, m, v = w0.double(), torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    for g in grads:
+        g = g.double()
+        if decoupled:
+            w = w * (1 - 0.1 * 0.05)
+        else:
+            g = g + 0.05 * w
+        m = 0.8 * m + 0.2 * g
+        v = 0.9 * v + 0.1 * g * g
+        w = w - 0.1 * m / (v.sqrt() + 1e-6)   # no division by (1 - beta^t)
+    assert torch.allclose(p.detach().double(), w, atol=1e-6)
+    # and with bias correction (the default) it is torch's optimiser
+    q = nn.Parameter(w0.clone())
+    ref = nn.Parameter(w0.clone())
+    mine, theirs = cls([q], lr=0.1), (torch.optim.AdamW if decoupled else torch.optim.Adam)([ref], lr=0.1)
+    for g in grads:
+        q.grad, ref.grad = g.clone(), g.clone()
+        mine.step()
+        theirs.step()
+    assert torch.equal(q, ref)
