@@ -45,6 +45,11 @@ _IPU_ONLY_METHODS = {
     "getIpuHostLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
     "save": ("ipukit has no IPU executable to save; save the weights with "
              "torch.save(model.state_dict(), path)."),
+    "compileAndExport": ("ipukit has no IPU executable to export; a model is traced when "
+                         "first called. Save the weights with torch.save(model.state_dict(), "
+                         "path) instead."),
+    "loadExecutable": ("ipukit has no IPU executables; call the model (or "
+                       "compile(*inputs)) to prepare it."),
 }
 
 _NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
@@ -474,8 +479,7 @@ class PoplarExecutor:
 
     def copyNamedBuffersToDevice(self) -> None:
         """Kept for PopTorch programs: buffers are shared with the host module, nothing to copy."""
-        if self._plan is None:
-            raise ModelStateError(_NOT_COMPILED)
+        self.copyWeightsToDevice()
 
     def compilationTime(self) -> datetime.timedelta:
         """How long tracing and partitioning the model took (its "compilation")."""
@@ -493,19 +497,6 @@ class PoplarExecutor:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise OptionsError(f"setOptimizer({optimizer!r}): expected a torch.optim.Optimizer.")
         self._optimizer = optimizer
-
-    def compileAndExport(self, filename: str, *args, **kwargs) -> None:
-        """PopTorch saved a compiled IPU executable; ipukit compiles none."""
-        raise UnsupportedError(
-            f"compileAndExport({filename!r}): ipukit has no IPU executable to export; a "
-            "model is traced when first called. Save the weights with "
-            "torch.save(model.state_dict(), ...) instead.")
-
-    def loadExecutable(self, filename: str) -> None:
-        """PopTorch loaded a compiled IPU executable; ipukit compiles none."""
-        raise UnsupportedError(
-            f"loadExecutable({filename!r}): ipukit has no IPU executables; call the model "
-            "(or compile(*inputs)) to prepare it.")
 
     def destroy(self) -> None:
         """Forget the compiled model and unwrap the module (it can be wrapped again)."""
@@ -532,18 +523,20 @@ _PRE_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDic
 _POST_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
 
 
+def _register(hooks: "collections.OrderedDict[int, Any]", hook) -> torch.utils.hooks.RemovableHandle:
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
 def registerPreCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
     """Call ``hook()`` before any model is compiled (traced); ``handle.remove()`` undoes it."""
-    handle = torch.utils.hooks.RemovableHandle(_PRE_COMPILE_HOOKS)
-    _PRE_COMPILE_HOOKS[handle.id] = hook
-    return handle
+    return _register(_PRE_COMPILE_HOOKS, hook)
 
 
 def registerPostCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
     """Call ``hook()`` after any model is compiled; ``handle.remove()`` undoes it."""
-    handle = torch.utils.hooks.RemovableHandle(_POST_COMPILE_HOOKS)
-    _POST_COMPILE_HOOKS[handle.id] = hook
-    return handle
+    return _register(_POST_COMPILE_HOOKS, hook)
 
 
 def _unwrap(model):
