@@ -8,12 +8,10 @@ lists, or come straight from a measured timeline (:func:`costs_from`).
 from __future__ import annotations
 
 import gc
-import heapq
-from collections import deque
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .schedule import BACKWARD, FORWARD, STEP, Action, Schedule, build
+from .schedule import BACKWARD, FORWARD, STEP, Action, Schedule, build, walk
 from .timeline import Event, KIND_NAMES, Timeline
 
 Cost = Union[float, Sequence[float]]
@@ -49,112 +47,13 @@ def _per_stage(value: Cost, n: int, name: str) -> List[float]:
 def play(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
          transfers: Optional[Dict[str, Sequence[float]]] = None,
          start_time: float = 0.0) -> List[List[Tuple[float, float]]]:
-    """Run lanes with per-stage costs; return (start, end) of every action, per lane.
+    """(start, end) of every action, per lane, with one core per worker.
 
     ``costs[kind][stage]`` is the duration of an action (kind ``"F"``, ``"B"``,
-    ``"S"``); ``transfers[kind][stage]`` is added when that action waits on
-    another stage. Each lane runs its actions in order. A forward waits for the
-    previous stage's forward, a backward for the next stage's backward, and an
-    optimiser step for every lane to finish the iteration's forwards and
-    backwards (the flush).
+    ``"I"``, ``"W"``, ``"S"``); ``transfers[kind][stage]`` is added when that
+    action waits on another stage. The rules are :func:`ipukit.schedule.walk`'s.
     """
-    zero = [0.0] * num_stages
-    transfers = transfers or {}
-    t_fwd = transfers.get(FORWARD, zero)
-    t_bwd = transfers.get(BACKWARD, zero)
-    c_fwd, c_bwd, c_step = costs[FORWARD], costs[BACKWARD], costs.get(STEP, zero)
-    n_lanes = len(lanes)
-    stage_lane = [None] * num_stages
-    n_iter, width = 1, 1
-    for li, lane in enumerate(lanes):
-        for a in lane:
-            if stage_lane[a[1]] is None:
-                stage_lane[a[1]] = li
-            if a[3] >= n_iter:
-                n_iter = a[3] + 1
-            if a[2] >= width:
-                width = a[2] + 1
-    remaining = [0] * n_iter
-    for lane in lanes:
-        for a in lane:
-            if a[0] != STEP:
-                remaining[a[3]] += 1
-    flushed = [None] * n_iter
-    flush_end = [-1.0] * n_iter
-    # end times of forwards / backwards, by stage then (iteration * width + micro-batch)
-    fdone = [[None] * (n_iter * width) for _ in range(num_stages)]
-    bdone = [[None] * (n_iter * width) for _ in range(num_stages)]
-    times: List[List[Tuple[float, float]]] = [[] for _ in lanes]
-    pos = [0] * n_lanes
-    free = [start_time] * n_lanes
-    queue = deque(range(n_lanes))
-    queued = [True] * n_lanes
-    last = num_stages - 1
-    while queue:
-        li = queue.popleft()
-        queued[li] = False
-        lane = lanes[li]
-        append = times[li].append
-        p = pos[li]
-        t = free[li]
-        n = len(lane)
-        while p < n:
-            kind, s, m, it = lane[p]
-            if kind == STEP:
-                dep = flushed[it]
-                if dep is None:
-                    break
-                if dep > t:
-                    t = dep
-                append((t, t + c_step[s]))
-                t += c_step[s]
-                p += 1
-                continue
-            k = it * width + m
-            if kind == FORWARD:
-                if s > 0:
-                    dep = fdone[s - 1][k]
-                    if dep is None:
-                        break
-                    dep += t_fwd[s]
-                    if dep > t:
-                        t = dep
-                begin = t
-                t += c_fwd[s]
-                fdone[s][k] = t
-                wake = stage_lane[s + 1] if s < last else None
-            else:
-                if s < last:
-                    dep = bdone[s + 1][k]
-                    if dep is None:
-                        break
-                    dep += t_bwd[s]
-                    if dep > t:
-                        t = dep
-                begin = t
-                t += c_bwd[s]
-                bdone[s][k] = t
-                wake = stage_lane[s - 1] if s > 0 else None
-            append((begin, t))
-            p += 1
-            if t > flush_end[it]:
-                flush_end[it] = t
-            remaining[it] -= 1
-            if remaining[it] == 0:
-                flushed[it] = flush_end[it]
-                for w in range(n_lanes):
-                    if w != li and not queued[w]:
-                        queue.append(w)
-                        queued[w] = True
-            elif wake is not None and wake != li and not queued[wake]:
-                queue.append(wake)
-                queued[wake] = True
-        pos[li] = p
-        free[li] = t
-    stuck = [str(lanes[i][pos[i]]) for i in range(n_lanes) if pos[i] < len(lanes[i])]
-    if stuck:
-        raise RuntimeError(f"schedule deadlocks: lanes wait at {stuck}")
-    return times
+    return walk(lanes, num_stages, costs, transfers, start_time)[0]
 
 
 def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost = 1.0,
@@ -225,104 +124,13 @@ def play_on_cores(lanes: List[List[Action]], num_stages: int, costs: Dict[str, S
 
     A CPU runs one worker per lane and replica; when there are more workers
     than cores, a ready action waits until a core is free (earliest-ready
-    first). Optimiser steps are one host operation in the executor (every
-    stage's step event is the same span), so they do not take a core.
-    Returns ``times[replica][lane]`` = (start, end) per action. With enough
-    cores the result equals :func:`play`'s.
+    first). Optimiser steps are one host operation in the executor, so they do
+    not take a core. Returns ``times[replica][lane]`` = (start, end) per
+    action. With enough cores the result equals :func:`play`'s.
     """
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    zero = [0.0] * num_stages
-    transfers = transfers or {}
-    shift = {FORWARD: transfers.get(FORWARD, zero), BACKWARD: transfers.get(BACKWARD, zero)}
-    cost = {FORWARD: costs[FORWARD], BACKWARD: costs[BACKWARD], STEP: costs.get(STEP, zero)}
-    workers = [(r, li) for r in range(replicas) for li in range(len(lanes))]
-    remaining: Dict[int, int] = {}
-    for lane in lanes:
-        for a in lane:
-            if a[0] != STEP:
-                remaining[a[3]] = remaining.get(a[3], 0) + replicas
-    flush_end: Dict[int, float] = {}
-    flushed: Dict[int, float] = {}
-    done: Dict[tuple, float] = {}           # (kind, replica, stage, iteration, micro-batch) -> end
-    pos = [0] * len(workers)
-    free = [start_time] * len(workers)
-    times = [[[] for _ in lanes] for _ in range(replicas)]
-    waiting = {w for w, (_, li) in enumerate(workers) if lanes[li]}   # next action not queued
-    ready: list = []                        # (ready time, worker) of actions waiting for a core
-    running: list = []                      # (end, worker, start) of actions holding a core
-
-    def ready_time(w: int) -> Optional[float]:
-        r, li = workers[w]
-        kind, s, m, it = lanes[li][pos[w]]
-        if kind == STEP:
-            dep = flushed.get(it)
-        elif kind == FORWARD and s > 0:
-            dep = done.get((FORWARD, r, s - 1, it, m))
-            dep = None if dep is None else dep + shift[FORWARD][s]
-        elif kind == BACKWARD and s < num_stages - 1:
-            dep = done.get((BACKWARD, r, s + 1, it, m))
-            dep = None if dep is None else dep + shift[BACKWARD][s]
-        else:  # the first stage's forward, the last stage's backward: only lane order
-            dep = free[w]
-        if dep is None:
-            return None
-        return max(dep, free[w])
-
-    def finish(w: int, begin: float, end: float) -> None:
-        r, li = workers[w]
-        kind, s, m, it = lanes[li][pos[w]]
-        times[r][li].append((begin, end))
-        pos[w] += 1
-        free[w] = end
-        if kind != STEP:
-            done[(kind, r, s, it, m)] = end
-            flush_end[it] = max(flush_end.get(it, end), end)
-            remaining[it] -= 1
-            if remaining[it] == 0:
-                flushed[it] = flush_end[it]
-        if pos[w] < len(lanes[li]):
-            waiting.add(w)
-
-    def release() -> None:
-        """Queue every waiting worker whose next action's inputs exist; run steps at once."""
-        progress = True
-        while progress:
-            progress = False
-            for w in sorted(waiting):
-                t = ready_time(w)
-                if t is None:
-                    continue
-                waiting.discard(w)
-                r, li = workers[w]
-                kind, s = lanes[li][pos[w]][:2]
-                if kind == STEP:
-                    finish(w, t, t + cost[STEP][s])
-                    progress = True
-                else:
-                    heapq.heappush(ready, (t, w))
-
-    now = start_time
-    release()
-    while ready or running:
-        while ready and len(running) < cores and ready[0][0] <= now:
-            t, w = heapq.heappop(ready)
-            r, li = workers[w]
-            kind, s = lanes[li][pos[w]][:2]
-            heapq.heappush(running, (now + cost[kind][s], w, now))
-        candidates = [running[0][0]] if running else []
-        if ready and len(running) < cores:
-            candidates.append(ready[0][0])
-        now = max(now, min(candidates))
-        while running and running[0][0] <= now:
-            end, w, begin = heapq.heappop(running)
-            finish(w, begin, end)
-        release()
-    stuck = [str(lanes[workers[w][1]][pos[w]]) for w in range(len(workers))
-             if pos[w] < len(lanes[workers[w][1]])]
-    if stuck:
-        raise RuntimeError(f"schedule deadlocks: lanes wait at {stuck}")
-    return times
+    return walk(lanes, num_stages, costs, transfers, start_time, cores=cores, replicas=replicas)
 
 
 def _host_spans(measured: Timeline) -> Tuple[float, float]:
@@ -408,3 +216,70 @@ def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)
+
+
+# -- costs a contended run's passes would have had alone ----------------------------------------
+
+def available_cores() -> int:
+    """Cores this process may run on: what the executor shares among its workers.
+
+    The executor sizes its workers' threads by the process's CPU affinity
+    (``os.sched_getaffinity``), which can be fewer than ``os.cpu_count()``
+    (containers, ``taskset``); model with the same number.
+    """
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def uncontended_costs(timeline: Timeline, cores: Optional[int] = None,
+                      statistic: str = "median") -> Dict[str, List[float]]:
+    """Per-stage costs of ``timeline``'s passes as if each had had a core to itself.
+
+    A measured span is wall time: when more workers run than there are
+    ``cores`` (default :func:`available_cores`), each pass shares a core and
+    its span stretches. This estimates each pass's own work by integrating,
+    over its span, the share of a core it had — ``min(1, cores / running)``
+    where ``running`` counts the forwards and backwards in progress — which
+    holds when workers share cores fairly (one intra-op thread each, as the
+    executor sets them). Returns ``Timeline.stage_costs()``'s dict, ready for
+    ``model_like(measured, cores=cores, costs=...)``: replaying these costs
+    on ``cores`` cores models the contention once, not twice.
+    """
+    import statistics as stats
+
+    cores = available_cores() if cores is None else int(cores)
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    passes = [e for e in timeline.device_events() if e.kind in ("forward", "backward")]
+    marks = sorted([(e.start, 1) for e in passes] + [(e.end, -1) for e in passes])
+    # cumulative core-seconds a running pass has received, at each mark
+    times, credit = [], []
+    running, total, t = 0, 0.0, None
+    for time, delta in marks:
+        if t is not None and time > t and running:
+            total += (time - t) * min(1.0, cores / running)
+        times.append(time)
+        credit.append(total)
+        running += delta
+        t = time
+    import bisect
+
+    def received(a: float) -> float:
+        i = bisect.bisect_right(times, a) - 1
+        return credit[i] if i >= 0 else 0.0
+
+    agg = getattr(stats, statistic)
+    stages = sorted({e.stage for e in timeline.device_events() if e.stage >= 0})
+    own: Dict[tuple, List[float]] = {}
+    for e in passes:
+        own.setdefault((e.kind, e.stage), []).append(received(e.end) - received(e.start))
+    out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
+    steps = timeline.stage_costs(statistic)["step"]
+    for kind in ("forward", "backward"):
+        out[kind] = [agg(own[(kind, s)]) if own.get((kind, s)) else 0.0 for s in stages]
+    out["step"] = list(steps)
+    return out
