@@ -20,6 +20,16 @@ Differences from the tutorial, and why:
   epoch, which on a small CPU costs more than the training itself;
 * the inference model always returns every prediction (``OutputMode.All``),
   so test accuracy counts every test sample whatever ``--output-mode`` is.
+
+``--model vit`` trains the small Vision Transformer of :mod:`ipukit.examples.vit`
+instead, configured by an optimum-graphcore ``ipu_config.json``
+(``--ipu-config PATH``, default the one beside ``vit.py``): replication, device
+iterations, gradient accumulation, output mode and optimiser offload come from
+the file (the matching flags are ignored), its layers are placed by
+``layers_per_ipu`` (the model gets ``sum(layers_per_ipu)`` encoder layers when
+the list has no ``-1``), and the IPU-only settings it holds are printed as
+ignored. Testing uses the file's inference settings (sharded execution).
+``--ipu-config`` with the convnet takes only the batching settings.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ from tqdm.auto import tqdm
 import ipukit
 from ipukit.datasets import DATA_ENV, DEFAULT_ROOT, mnist_tensors
 from ipukit.examples.mnist import Network, TrainingModelWithLoss, accuracy, strategy
+from ipukit.ipu_config import IPUConfig
 
 PROG = "ipukit-mnist"
 OUTPUT_MODES = {"all": ipukit.OutputMode.All, "final": ipukit.OutputMode.Final,
@@ -57,7 +68,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = _Parser(prog=PROG, description="Train the pipelining tutorial's MNIST network on "
                 "ipukit's virtual IPUs, then report its test accuracy.")
     add = p.add_argument
-    add("--batch-size", type=int, default=40, help="training micro-batch size (default: 40)")
+    add("--model", choices=["convnet", "vit"], default="convnet",
+        help="the tutorial's convnet, or a small Vision Transformer (default: convnet)")
+    add("--ipu-config", metavar="PATH", default=None,
+        help="an optimum-graphcore ipu_config.json (file or folder); default for --model vit: "
+             "the one beside ipukit/examples/vit.py")
+    add("--vit-layers", type=int, default=8,
+        help="ViT encoder layers when layers_per_ipu has -1 wildcards (default: 8)")
+    add("--batch-size", type=int, default=None,
+        help="training micro-batch size (default: 40, or 16 for --model vit)")
     add("--device-iterations", type=int, default=10,
         help="optimiser steps per training call (default: 10)")
     add("--gradient-accumulation", type=int, default=10,
@@ -89,12 +108,46 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def training_options(args: argparse.Namespace) -> ipukit.Options:
+def load_ipu_config(args: argparse.Namespace) -> Optional[IPUConfig]:
+    """The --ipu-config file (the packaged one for --model vit), or None; prints what it ignores."""
+    path = args.ipu_config
+    if path is None and args.model == "vit":
+        from ipukit.examples.vit import CONFIG_PATH
+        path = CONFIG_PATH
+    if path is None:
+        return None
+    config = IPUConfig.from_pretrained(path)
+    print(f"IPU config: {path}", flush=True)
+    for note in config.legacy_notes:
+        print(f"  older file: {note}")
+    ignored = config.ignored_settings()
+    ignored.update({k: v for k, v in config.ignored_settings(for_inference=True).items()
+                    if k not in ignored})
+    print("  ignored (IPU-only, no effect in ipukit): "
+          + (", ".join(f"{k}={v}" for k, v in ignored.items()) or "none"), flush=True)
+    return config
+
+
+def training_options(args: argparse.Namespace,
+                     ipu_config: Optional[IPUConfig] = None) -> ipukit.Options:
     """Options of the training model (and its DataLoader): strategy, batching, extras."""
-    opts = ipukit.Options().deviceIterations(args.device_iterations)
-    opts.Training.gradientAccumulation(args.gradient_accumulation)
-    opts.setExecutionStrategy(strategy(sharded=args.strategy == "sharded"))
-    opts.outputMode(OUTPUT_MODES[args.output_mode])
+    sharded = args.strategy == "sharded"
+    if ipu_config is not None:
+        opts = ipu_config.to_options()
+        args.device_iterations = opts.device_iterations
+        args.gradient_accumulation = opts.Training.gradient_accumulation
+        args.output_mode = opts.output_mode.name.lower()
+        args.offload_optimiser = args.offload_optimiser or ipu_config.optimizer_state_offchip
+        if args.model == "vit":
+            if sharded:
+                opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.AutoStage.AutoIncrement))
+        else:
+            opts.setExecutionStrategy(strategy(sharded=sharded))
+    else:
+        opts = ipukit.Options().deviceIterations(args.device_iterations)
+        opts.Training.gradientAccumulation(args.gradient_accumulation)
+        opts.setExecutionStrategy(strategy(sharded=sharded))
+        opts.outputMode(OUTPUT_MODES[args.output_mode])
     opts.pipelineSchedule(args.schedule)
     if args.offload_optimiser:
         on_chip = ipukit.TensorLocationSettings().useOnChipStorage(True)
@@ -111,8 +164,12 @@ def training_options(args: argparse.Namespace) -> ipukit.Options:
     return opts
 
 
-def inference_options(train_opts: ipukit.Options, args: argparse.Namespace) -> ipukit.Options:
-    """The training options with the accumulation window turned into device iterations."""
+def inference_options(train_opts: ipukit.Options, args: argparse.Namespace,
+                      ipu_config: Optional[IPUConfig] = None) -> ipukit.Options:
+    """The training options with the accumulation window turned into device iterations
+    (for --model vit: the IPU config's inference options)."""
+    if ipu_config is not None and args.model == "vit":
+        return ipu_config.to_options(for_inference=True)
     opts = train_opts.clone()
     opts.Training.gradientAccumulation(1)
     opts.deviceIterations(args.device_iterations * args.gradient_accumulation)
@@ -120,14 +177,16 @@ def inference_options(train_opts: ipukit.Options, args: argparse.Namespace) -> i
     return opts
 
 
-def data_loaders(args: argparse.Namespace, train_opts: ipukit.Options):
+def data_loaders(args: argparse.Namespace, train_opts: ipukit.Options,
+                 test_opts: Optional[ipukit.Options] = None):
     """Training and test DataLoaders whose batches are exactly one model call each."""
     train_set = mnist_tensors(train=True, root=args.data, limit=args.limit_train)
     test_set = mnist_tensors(train=False, root=args.data, limit=args.limit_test)
     train = ipukit.DataLoader(train_opts, train_set, batch_size=args.batch_size, shuffle=True,
                               num_workers=args.num_workers, mode=ipukit.DataLoaderMode.Async)
-    test_opts = ipukit.Options().deviceIterations(
-        args.device_iterations * args.gradient_accumulation)
+    if test_opts is None:
+        test_opts = ipukit.Options().deviceIterations(
+            args.device_iterations * args.gradient_accumulation)
     test = ipukit.DataLoader(test_opts, test_set, batch_size=args.test_batch_size,
                              drop_last=True, num_workers=args.num_workers,
                              mode=ipukit.DataLoaderMode.Async)
@@ -190,19 +249,35 @@ def run(args: argparse.Namespace) -> float:
     torch.manual_seed(args.seed)
     if args.debug:
         ipukit.setLogLevel(1)
-    train_opts = training_options(args)
-    train_loader, test_loader = data_loaders(args, train_opts)
-    network = Network()
+    if args.batch_size is None:
+        args.batch_size = 16 if args.model == "vit" else 40
+    ipu_config = load_ipu_config(args)
+    train_opts = training_options(args, ipu_config)
+    test_opts = inference_options(train_opts, args, ipu_config)
+    train_loader, test_loader = data_loaders(args, train_opts, test_opts)
+    if args.model == "vit":
+        from ipukit.examples.vit import ViT, num_layers_for
+
+        network = ViT(num_layers=num_layers_for(ipu_config, default=args.vit_layers))
+        network.parallelize(ipu_config.train())
+        print(f"ViT: {len(network.layers)} encoder layers on IPUs {network.layer_ipus()}",
+              flush=True)
+        trained = network
+    else:
+        network = Network()
+        trained = TrainingModelWithLoss(network)
     optimizer = ipukit.optim.AdamW(network.parameters(), lr=args.learning_rate)
-    training_model = ipukit.trainingModel(TrainingModelWithLoss(network), train_opts, optimizer)
+    training_model = ipukit.trainingModel(trained, train_opts, optimizer)
     if args.profile:
         print(f"Profiling is enabled: writing to {args.profile_dir}")
     print("Compiling...", flush=True)
     training_model.compile(*first_batch(train_loader))
     print("Training...", flush=True)
     train(training_model, train_loader, args)
-    inference_model = ipukit.inferenceModel(network, inference_options(train_opts, args))
     training_model.detachFromDevice()
+    if args.model == "vit":  # placed again by the inference twins (inference_layers_per_ipu)
+        network.parallelize(ipu_config.eval())
+    inference_model = ipukit.inferenceModel(network, test_opts)
     inference_model.compile(first_batch(test_loader)[0])
     print("Testing...", flush=True)
     result = test(inference_model, test_loader)

@@ -1,0 +1,153 @@
+"""A small Vision Transformer for MNIST, placed on virtual IPUs from an :class:`~ipukit.IPUConfig`.
+
+The model has the shape of Hugging Face's ``ViTForImageClassification`` at toy
+size: a patch embedding (7×7 patches of the 28×28 image, a class token and
+learned positions), ``num_layers`` identical pre-norm encoder layers
+(multi-head self-attention and an MLP), then a LayerNorm and a linear
+classifier on the class token. ``forward(images, labels=None)`` returns the
+logits, or ``(logits, loss)`` when labels are given, as Hugging Face models do.
+
+:meth:`ViT.parallelize` follows optimum-graphcore's ``PipelinedViTForImageClassification``:
+the embeddings start a block on IPU 0, encoder layer ``i`` starts a block on
+``get_layer_ipu(ipu_config, layers)[i]``, and the final LayerNorm and the
+classifier (with the loss) go on the last IPU. With
+``recompute_checkpoint_every_layer`` each encoder layer's activations are
+recomputed in the backward pass (:func:`~ipukit.ipu_config.recomputation_checkpoint`).
+:meth:`ViT.deparallelize` undoes all of it.
+
+Because the layers are identical, ``layers_per_ipu`` balances the pipeline:
+``[2, 2, 2, 2]`` gives four stages of nearly equal cost (the embeddings and the
+head are small), unlike the tutorial convnet whose two convolutions dominate.
+
+``CONFIG_PATH`` is the IPU configuration used by ``ipukit-mnist --model vit``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..blocks import BeginBlock, removeBlocks
+from ..ipu_config import IPUConfig, get_layer_ipu, recomputation_checkpoint
+
+CONFIG_PATH = os.path.join(os.path.dirname(__file__), "vit_ipu_config.json")
+
+
+class PatchEmbedding(nn.Module):
+    """Image → ``1 + (28 / patch)²`` tokens: class token, then one token per patch, plus positions."""
+
+    def __init__(self, dim: int, patch: int = 7, image: int = 28, channels: int = 1):
+        super().__init__()
+        if image % patch:
+            raise ValueError(f"patch={patch} must divide the image size {image}")
+        self.proj = nn.Conv2d(channels, dim, kernel_size=patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.position = nn.Parameter(torch.randn(1, 1 + (image // patch) ** 2, dim) * 0.02)
+
+    def forward(self, images):
+        x = self.proj(images).flatten(2).transpose(1, 2)          # (batch, patches, dim)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + self.position
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm transformer encoder layer: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, dim: int, heads: int, mlp_dim: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim={dim} must be a multiple of heads={heads}")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_dim)
+        self.fc2 = nn.Linear(mlp_dim, dim)
+
+    def attention(self, x):
+        b, n, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(x).reshape(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // h), dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, d))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    """A Vision Transformer classifier for 28×28 single-channel images (MNIST)."""
+
+    def __init__(self, num_layers: int = 8, dim: int = 64, heads: int = 4, mlp_dim: int = 128,
+                 patch: int = 7, classes: int = 10):
+        super().__init__()
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers={num_layers!r}: expected an int >= 1")
+        self.embeddings = PatchEmbedding(dim, patch)
+        self.layers = nn.ModuleList(EncoderLayer(dim, heads, mlp_dim) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.classifier = nn.Linear(dim, classes)
+        self.ipu_config: Optional[IPUConfig] = None
+        self._hooks: List = []
+
+    def forward(self, images, labels=None):
+        x = self.embeddings(images)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.classifier(self.norm(x)[:, 0])
+        if labels is None:
+            return logits
+        return logits, F.cross_entropy(logits, labels)
+
+    # -- placement on virtual IPUs, optimum-graphcore's pattern -----------------
+    def parallelize(self, ipu_config: Optional[IPUConfig] = None) -> "ViT":
+        """Place the model on IPUs by ``ipu_config`` (in its current train/eval mode).
+
+        Embeddings on IPU 0, encoder layer ``i`` on ``get_layer_ipu(...)[i]``, the
+        final norm and the classifier on the last IPU. Returns the model.
+        """
+        if ipu_config is not None:
+            if not isinstance(ipu_config, IPUConfig):
+                raise TypeError(f"ViT.parallelize({ipu_config!r}): expected an ipukit.IPUConfig")
+            self.ipu_config = ipu_config
+        if self.ipu_config is None:
+            raise AttributeError("ViT.parallelize(): no IPUConfig; pass one, e.g. "
+                                 "model.parallelize(ipukit.IPUConfig.from_pretrained(CONFIG_PATH))")
+        self.deparallelize()
+        config = self.ipu_config
+        layer_ipu = get_layer_ipu(config, self.layers)
+        BeginBlock(self.embeddings, "Embedding", ipu_id=0)
+        for index, layer in enumerate(self.layers):
+            if config.recompute_checkpoint_every_layer:
+                self._hooks.append(recomputation_checkpoint(layer))
+            BeginBlock(layer, f"Encoder{index}", ipu_id=layer_ipu[index])
+        last_ipu = config._ipus_per_replica - 1
+        BeginBlock(self.norm, "LayerNorm", ipu_id=last_ipu)
+        BeginBlock(self.classifier, "Classifier", ipu_id=last_ipu)
+        return self
+
+    def deparallelize(self) -> "ViT":
+        """Remove the blocks and recomputation hooks added by :meth:`parallelize`."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        removeBlocks(self)
+        return self
+
+    def layer_ipus(self) -> List[int]:
+        """The IPU of each encoder layer under the current configuration."""
+        if self.ipu_config is None:
+            raise AttributeError("ViT.layer_ipus(): call parallelize(ipu_config) first")
+        return get_layer_ipu(self.ipu_config, self.layers)
+
+
+def num_layers_for(ipu_config: IPUConfig, default: int = 8) -> int:
+    """The depth a configuration was written for: ``sum(layers_per_ipu)`` without wildcards."""
+    layers = ipu_config._layers_per_ipu
+    return default if -1 in layers else sum(layers)
