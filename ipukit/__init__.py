@@ -13,6 +13,8 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
                     ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
 from .errors import Error, UnsupportedError
+from .ipu_config import (IncompatibleIPUConfigError, IPUConfig, get_layer_ipu,
+                         recomputation_checkpoint, split_encoder_decoder_ipu_config)
 from .model import (PoplarExecutor, inferenceModel, registerPostCompileHook,
                     registerPreCompileHook, trainingModel)
 from .ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,
@@ -91,4 +93,6 @@ __all__ = [
     "dynamic_update", "for_loop", "serializedMatMul", "set_overlap_for_input",
     "set_overlap_for_output", "Phase", "PhasedExecution", "RecoverableError", "UnrecoverableError",
     "ipuHardwareVersion", "load", "registerPreCompileHook", "registerPostCompileHook",
+    "IPUConfig", "IncompatibleIPUConfigError", "get_layer_ipu", "recomputation_checkpoint",
+    "split_encoder_decoder_ipu_config",
 ]
