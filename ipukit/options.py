@@ -299,27 +299,67 @@ class _PopartOptions(_IgnoredGroup):
 
 
 class _DistributedOptions(_IgnoredGroup):
+    """PopTorch's ``Options.Distributed``: which process of a multi-process run this is.
+
+    PopTorch read PopRun's variables; ipukit reads torchrun's (``WORLD_SIZE`` and
+    ``RANK``) when the options are created, so a script launched with
+    ``ipukit-run``/``torchrun`` runs on :mod:`ipukit.distributed` unchanged.
+    ``disable()`` runs this process on its own (threads), whatever the launcher said.
+    """
+
     _path = "Options.Distributed"
-    _setters = ("setEnvVarNames", "IPUoFConfigFiles")
+    _setters = ("IPUoFConfigFiles",)
 
     def __init__(self) -> None:
         super().__init__()
         self.numProcesses = 1
         self.processId = 0
+        self._env_names = ("WORLD_SIZE", "RANK")
+        self._read_env()
+
+    def _read_env(self) -> None:
+        size_var, rank_var = self._env_names
+        size, rank = os.environ.get(size_var), os.environ.get(rank_var)
+        if size is None or rank is None:
+            return
+        try:
+            size_i, rank_i = int(size), int(rank)
+        except ValueError:
+            raise OptionsError(
+                f"Options.Distributed: the environment variables {size_var}={size!r} and "
+                f"{rank_var}={rank!r} must be integers (set by torchrun / ipukit-run); unset "
+                "them or call Options.Distributed.setEnvVarNames(...) with the right "
+                "names.") from None
+        self._set(rank_i, size_i, f"{size_var}/{rank_var}")
+
+    def _set(self, process_id: Any, num_processes: Any, what: str) -> None:
+        num = _positive_int("Options.Distributed", what, num_processes)
+        if isinstance(process_id, bool) or not isinstance(process_id, int) \
+                or not 0 <= process_id < num:
+            raise OptionsError(
+                f"Options.Distributed.{what}: process id {process_id!r} must be an int in "
+                f"0..{num - 1} for {num} processes.")
+        object.__setattr__(self, "numProcesses", num)
+        object.__setattr__(self, "processId", process_id)
+
+    def setEnvVarNames(self, var_num_processes: str, var_process_id: str):
+        """Read the process count and id from these environment variables (PopTorch's setter)."""
+        self._check_not_frozen(f"setEnvVarNames({var_num_processes!r}, {var_process_id!r})")
+        self._env_names = (str(var_num_processes), str(var_process_id))
+        self._read_env()
+        return self
 
     def disable(self) -> "_DistributedOptions":
-        """Run as a single process (ipukit always does)."""
+        """Run this process on its own: virtual IPUs as threads, no process group."""
         self._check_not_frozen("disable()")
         self.numProcesses, self.processId = 1, 0
         return self
 
     def configureProcessId(self, process_id: int, num_processes: int):
-        self._check_not_frozen(f"configureProcessId({process_id}, {num_processes})")
-        if num_processes != 1:
-            raise OptionsError(
-                f"Options.Distributed.configureProcessId({process_id}, {num_processes}): "
-                "ipukit runs in one process; multi-process (PopDist) runs are not "
-                "supported yet. Use replicationFactor for data parallelism.")
+        """This is process ``process_id`` of ``num_processes`` (PopTorch's setter)."""
+        self._check_not_frozen(f"configureProcessId({process_id!r}, {num_processes!r})")
+        self._set(process_id, num_processes,
+                  f"configureProcessId({process_id!r}, {num_processes!r})")
         return self
 
 

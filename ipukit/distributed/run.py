@@ -1,0 +1,103 @@
+"""``ipukit-run``: launch a script as processes (a thin wrapper over torchrun).
+
+    ipukit-run --nproc 4 train.py --epochs 1
+    ipukit-run -n 4 -m ipukit.examples.mnist_pipeline
+    python -m ipukit.distributed.run --nproc 2 script.py
+
+Runs ``python -m torch.distributed.run --standalone --nproc-per-node N`` with
+``GLOO_SOCKET_IFNAME=lo`` and ``OMP_NUM_THREADS=1`` unless already set (several
+processes on a few cores: more threads only oversubscribe). Each model checks,
+when it compiles, that N equals its virtual IPUs × replicationFactor and every
+process stops with an error saying which N it needs. When a process fails, the
+others are stopped (torchrun) and this command ends with one line naming the
+process that failed first and its exception.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from typing import List, Optional
+
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ipukit-run",
+        description="Run an ipukit script as N processes (one per virtual IPU per replica) "
+                    "with torchrun.")
+    p.add_argument("-n", "--nproc", required=True, metavar="N",
+                   help="processes: the model's virtual IPUs × replicationFactor")
+    p.add_argument("-m", dest="module", metavar="MODULE", default=None,
+                   help="run a module (like python -m) instead of a script")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="process-group timeout (IPUKIT_DIST_TIMEOUT, default 300)")
+    p.add_argument("script", nargs="?", help="the script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def build_command(argv: List[str]) -> tuple:
+    """(command, environment) for ``argv``; raises SystemExit with a one-line message on bad input."""
+    p = _parser()
+    ns = p.parse_args(argv)
+    try:
+        n = int(ns.nproc)
+    except ValueError:
+        n = 0
+    if n < 1:
+        p.error(f"--nproc {ns.nproc!r}: expected an int >= 1, the model's virtual IPUs × "
+                "replicationFactor (e.g. --nproc 4 for 2 stages × 2 replicas)")
+    target: List[str]
+    if ns.module:
+        target = ["-m", ns.module] + ([ns.script] if ns.script else []) + list(ns.args)
+    else:
+        if not ns.script:
+            p.error("give the script to run (ipukit-run --nproc N script.py ...) or -m MODULE")
+        if not os.path.isfile(ns.script):
+            p.error(f"script {ns.script!r} not found")
+        target = [ns.script] + list(ns.args)
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if ns.timeout is not None:
+        if ns.timeout <= 0:
+            p.error(f"--timeout {ns.timeout}: expected seconds > 0")
+        env["IPUKIT_DIST_TIMEOUT"] = str(ns.timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(n), "--monitor-interval", "0.2"] + target
+    return cmd, env
+
+
+def _first_failure(folder: str) -> Optional[str]:
+    notes = []
+    for name in os.listdir(folder):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                stamp, line = f.read().split("\n", 1)
+            notes.append((float(stamp), line.strip()))
+        except (OSError, ValueError):
+            continue
+    return min(notes)[1] if notes else None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    cmd, env = build_command(list(sys.argv[1:] if argv is None else argv))
+    with tempfile.TemporaryDirectory(prefix="ipukit-run-") as folder:
+        env["IPUKIT_FAILURE_DIR"] = folder
+        try:
+            code = subprocess.call(cmd, env=env)
+        except KeyboardInterrupt:
+            code = 130
+        if code != 0:
+            first = _first_failure(folder)
+            if first:
+                print(f"ipukit-run: process {first.split(':', 1)[0].split()[-1]} failed first "
+                      f"({first})", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

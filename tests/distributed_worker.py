@@ -1,0 +1,227 @@
+"""Run by tests/test_distributed.py under ipukit-run: one launch, several checks.
+
+Every process runs the distributed model and, locally, the same model on
+threads (``Options.Distributed.disable()``); each writes what it found to
+``$IPUKIT_TEST_OUT/rank<r>.json`` for the test to assert on.
+Scenarios: ``pp2`` (2 processes), ``dp2pp2`` (4 processes), ``fail`` (rank 1 raises).
+"""
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+import ipukit as poptorch
+import ipukit.distributed as ipd
+from ipukit.distributed.runtime import DistributedError
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+class SkipNet(torch.nn.Module):
+    """Stage 0 output used by stage 1 and (a skip) by the last stage; labels in the last block."""
+
+    def __init__(self, stages=2, batchnorm=False):
+        super().__init__()
+        self.stages = stages
+        self.inp = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8) if batchnorm else torch.nn.Identity()
+        self.mid = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(stages - 1))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        with poptorch.Block("b0", ipu_id=0):
+            h0 = torch.tanh(self.bn(self.inp(x)))
+        h = h0
+        for i, layer in enumerate(self.mid):
+            with poptorch.Block(f"b{i + 1}", ipu_id=(i + 1) % 2 if self.stages > 2 else i + 1):
+                h = torch.tanh(layer(h))
+                if i == len(self.mid) - 1:
+                    out = self.head(h + h0)
+                    loss = torch.nn.functional.cross_entropy(out, labels)
+        return out, loss
+
+
+def options(mode, distributed=True, di=2, ga=4, replicas=1, schedule="1F1B", stages=2):
+    o = poptorch.Options().deviceIterations(di).replicationFactor(replicas)
+    o.Training.gradientAccumulation(ga)
+    o.outputMode(mode)
+    o.pipelineSchedule(schedule)
+    if stages > 2:
+        o.setExecutionStrategy(poptorch.PipelinedExecution(
+            *[poptorch.Stage(f"b{i}").ipu(i % 2) for i in range(stages)]))
+    if not distributed:
+        o.Distributed.disable()
+    return o
+
+
+def data(calls, replicas, di=2, ga=4, micro=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = micro * di * ga * replicas
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+            for _ in range(calls)]
+
+
+def share(t, replica, replicas, micro):
+    """Replica ``replica``'s micro-batches of a combined batch, in the threaded executor's order."""
+    chunks = t.split(micro)
+    return torch.cat([c for k, c in enumerate(chunks) if k % replicas == replica])
+
+
+def maxdiff(a, b):
+    if isinstance(a, (tuple, list)):
+        return max(maxdiff(x, y) for x, y in zip(a, b))
+    return (a.float() - b.float()).abs().max().item()
+
+
+def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, calls=2, ga=4):
+    """(distributed results, threaded results) for the same model, data and options."""
+    torch.manual_seed(1)
+    net = SkipNet(stages, batchnorm)
+    ref = copy.deepcopy(net)
+    micro = 2
+    batches = data(calls, replicas, ga=ga)
+    replica = RANK // (WORLD // replicas)
+    dist_model = ipd.trainingModel(
+        net, options(mode, True, replicas=replicas, schedule=schedule, stages=stages, ga=ga),
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    thr_model = poptorch.trainingModel(
+        ref, options(mode, False, replicas=replicas, schedule=schedule, stages=stages, ga=ga),
+        optimizer=torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+    d_out, t_out = [], []
+    for x, y in batches:
+        d_out.append(dist_model(share(x, replica, replicas, micro), share(y, replica, replicas, micro)))
+        t_out.append(thr_model(x, y))
+    dist_model.synchronize_weights()
+    result = {"weights": max(maxdiff(p, q) for p, q in zip(net.parameters(), ref.parameters())),
+              "buffers": max([maxdiff(p, q) for p, q in zip(net.buffers(), ref.buffers())
+                              if p.is_floating_point()] or [0.0])}
+    # the threaded call returns every replica's rows; this process gets its replica's
+    outs, losses = [], []
+    for (do, dl), (to, tl) in zip(d_out, t_out):
+        if mode == poptorch.OutputMode.All:
+            to = share(to, replica, replicas, micro)
+            tl = tl.reshape(-1, replicas)[:, replica]
+        elif replicas > 1:
+            to = to.split(to.shape[0] // replicas)[replica]
+            tl = tl[replica]
+        outs.append(maxdiff(do, to))
+        losses.append(maxdiff(dl, tl))
+        result.setdefault("shapes", []).append([list(do.shape), list(dl.shape),
+                                                list(to.shape), list(tl.shape)])
+    result["outputs"], result["losses"] = max(outs), max(losses)
+    tl = dist_model.getTimeline()
+    if RANK == 0:
+        tracks = {}
+        for e in tl.events:
+            if e.ipu >= 0 and e.kind in ("forward", "backward"):
+                tracks.setdefault(f"{e.replica}/{e.ipu}", []).append((e.start, e.end, e.kind))
+        overlaps = 0
+        for spans in tracks.values():
+            spans.sort()
+            for (a0, a1, _), (b0, b1, _) in zip(spans, spans[1:]):
+                if b0 < a1 - 1e-9:
+                    overlaps += 1
+        result["tracks"] = sorted(tracks)
+        result["overlaps"] = overlaps
+        result["spans"] = {k: len(v) for k, v in tracks.items()}
+    dist_model.destroy()
+    thr_model.destroy()
+    return result
+
+
+def inference_pair(replicas=1):
+    torch.manual_seed(2)
+    net = SkipNet(2)
+    x, y = data(1, replicas, di=4, ga=1)[0]
+    replica = RANK // (WORLD // replicas)
+    o = poptorch.Options().deviceIterations(4).replicationFactor(replicas)
+    d = ipd.inferenceModel(net, o)
+    t = poptorch.inferenceModel(net, _plain(replicas))
+    do = d(share(x, replica, replicas, 2), share(y, replica, replicas, 2))
+    to = t(x, y)
+    return {"outputs": max(maxdiff(do[0], share(to[0], replica, replicas, 2)),
+                           maxdiff(do[1], to[1].reshape(-1, replicas)[:, replica]))}
+
+
+def _plain(replicas):
+    p = poptorch.Options().deviceIterations(4).replicationFactor(replicas)
+    p.Distributed.disable()
+    return p
+
+
+def expect_error(fn):
+    try:
+        fn()
+    except DistributedError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001
+        return f"WRONG {type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def wrong_count():
+    net = SkipNet(2)
+    o = options(poptorch.OutputMode.Final, replicas=2)  # needs 4 processes
+    m = ipd.trainingModel(net, o)
+    x, y = data(1, 1)[0]
+    try:
+        m(x, y)
+    finally:
+        m.destroy()
+
+
+def mismatch():
+    net = SkipNet(2)
+    m = ipd.trainingModel(net, options(poptorch.OutputMode.Final))
+    x, y = data(1, 1, micro=2 if RANK == 0 else 4)[0]
+    try:
+        m(x, y)
+    finally:
+        m.destroy()
+
+
+class FailingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        self.count = getattr(self, "count", 0) + 1
+        if RANK == 1 and self.count == 3:
+            raise ValueError("boom from the optimiser on rank 1")
+        return super().step(closure)
+
+
+def main():
+    scenario = sys.argv[1]
+    out = os.environ["IPUKIT_TEST_OUT"]
+    results = {}
+    t0 = time.perf_counter()
+    All, Final, Sum = poptorch.OutputMode.All, poptorch.OutputMode.Final, poptorch.OutputMode.Sum
+    if scenario == "pp2":
+        results["all"] = train_pair(All)
+        results["final"] = train_pair(Final)
+        results["sum"] = train_pair(Sum)
+        results["gpipe"] = train_pair(All, schedule="GPipe")
+        results["four_stages"] = train_pair(All, stages=4, ga=8)
+        results["inference"] = inference_pair()
+        results["wrong_count"] = expect_error(wrong_count)
+        results["mismatch"] = expect_error(mismatch)
+    elif scenario == "dp2pp2":
+        results["all"] = train_pair(All, replicas=2, batchnorm=True)
+        results["final"] = train_pair(Final, replicas=2)
+        results["sum"] = train_pair(Sum, replicas=2)
+        results["inference"] = inference_pair(replicas=2)
+    elif scenario == "fail":
+        net = SkipNet(2)
+        m = ipd.trainingModel(net, options(Final, di=1),
+                              optimizer=FailingSGD(net.parameters(), lr=0.1))
+        for x, y in data(5, 1, di=1):
+            m(x, y)
+    results["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
