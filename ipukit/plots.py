@@ -25,8 +25,17 @@ COLOURS = {
     "transfer": "#b8c4d3",
 }
 KIND_ORDER = ("forward", "backward", "step", "transfer", "host")
-LABELS = {"forward": "forward", "backward": "backward", "step": "optimiser step",
+LABELS = {"forward": "forward", "backward": "backward", "step": "optimiser step (host)",
           "transfer": "host ↔ device transfer", "host": "host"}
+#: The parts of :meth:`Timeline.idle_breakdown`, in drawing order, with their colours.
+BREAKDOWN_PARTS = (
+    ("busy", "busy (forward, backward)", "#3a9a4b"),
+    ("bubble", "bubble: fill and drain", "#c9c9c9"),
+    ("imbalance", "imbalance, hand-offs, core waits", "#f0b35b"),
+    ("host", "host work", "#7b93b0"),
+    ("step", "optimiser step (host)", "#8a8a8a"),
+)
+IDLE_COLOUR = "rgba(150, 150, 150, 0.18)"
 MEMORY_PARTS = (
     ("parameter_bytes", "parameters", "#4c72b0"),
     ("gradient_accumulator_bytes", "gradient accumulators", "#dd8452"),
@@ -46,8 +55,12 @@ def _track_name(ipu: int, replica: int) -> str:
 
 
 def track_order(timeline: Timeline) -> List[str]:
-    """Row names of the Gantt chart, top to bottom: IPU 0 first, its replicas next, host last."""
-    keys = {(e.ipu, e.replica) for e in timeline.events}
+    """Row names of the Gantt chart, top to bottom: IPU 0 first, its replicas next, host last.
+
+    Optimiser steps are drawn on the host row, where ipukit runs them.
+    """
+    keys = {(e.ipu, e.replica) if e.kind != "step" else (-1, 0) for e in timeline.events}
+    keys |= {(e.ipu, e.replica) for e in timeline.device_events()}
     order = sorted(keys, key=lambda k: (k[0] < 0, k[0], k[1]))
     names = []
     for ipu, replica in order:
@@ -67,7 +80,11 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
     t0 = timeline.start
     by_kind: Dict[str, List] = {}
     for e in timeline.events:
-        by_kind.setdefault(e.kind, []).append(e)
+        if e.kind != "step":
+            by_kind.setdefault(e.kind, []).append(e)
+    steps = timeline.host_steps()          # one bar per step, on the host row
+    if steps:
+        by_kind["step"] = steps
     kinds = [k for k in KIND_ORDER if k in by_kind] + sorted(set(by_kind) - set(KIND_ORDER))
     traces = []
     for kind in kinds:
@@ -114,7 +131,11 @@ def _describe(timeline: Timeline) -> str:
     if meta.get("micro_batches"):
         parts.append(f"{meta['micro_batches']} micro-batches")
     if timeline.events:
-        parts.append(f"{timeline.wall_time * 1e3:.2f} ms")
+        parts.append(f"{timeline.wall_time * 1e3:.2f} ms per call")
+        if timeline.iterations > 1:
+            parts.append(f"{timeline.time_per_step() * 1e3:.2f} ms per step")
+        if timeline.meta.get("samples"):
+            parts.append(f"{timeline.throughput():,.0f} samples/s")
         parts.append(f"utilisation {timeline.utilisation()['overall']:.0%}")
     return " · ".join(parts)
 
@@ -130,7 +151,8 @@ def timeline_figure(timeline: Timeline, title: Optional[str] = None,
                     show_micro_batches: bool = True) -> go.Figure:
     """A PopVision-style Gantt chart: one row per virtual IPU (and the host), time in ms.
 
-    Forward spans are green, backward red, optimiser steps grey; micro-batch
+    Forward spans are green, backward red, optimiser steps grey (on the host
+    row: ipukit steps every stage's weights in one host operation); micro-batch
     numbers are written on the bars (``show_micro_batches``); idle time
     (pipeline bubbles) is the empty space between bars. The title says whether
     the timeline was ``measured`` or ``modeled``.
@@ -191,7 +213,8 @@ def utilisation_figure(timeline_or_utilisation_dict: Union[Timeline, Mapping[str
                        title: Optional[str] = None) -> go.Figure:
     """Busy share of each virtual IPU in %, with the overall value in the title and as a line.
 
-    Accepts a :class:`~ipukit.Timeline`, the dict of :meth:`Timeline.utilisation`,
+    From a timeline, the subtitle starts with its speed (time per step,
+    samples/s): utilisation explains a speed, it does not replace it. Accepts a :class:`~ipukit.Timeline`, the dict of :meth:`Timeline.utilisation`,
     or a bare ``{ipu: fraction}``.
     """
     source = timeline_or_utilisation_dict
@@ -199,12 +222,17 @@ def utilisation_figure(timeline_or_utilisation_dict: Union[Timeline, Mapping[str
     names = [f"IPU {k}" if isinstance(k, int) else str(k) for k in per_ipu]
     values = [100.0 * v for v in per_ipu.values()]
     label = ""
+    speed = ""
     if isinstance(source, Timeline):
         label = f" — {source.label}"
+        if source.events:
+            speed = f"{source.time_per_step() * 1e3:.2f} ms per step · "
+            if source.meta.get("samples"):
+                speed += f"{source.throughput():,.0f} samples/s · "
     heading = (title or "Utilisation per virtual IPU") + label
     if overall is not None:
-        heading += (f"<br><sup>overall {100 * overall:.1f}% · "
-                    f"bubble {100 * (1 - overall):.1f}%</sup>")
+        heading += (f"<br><sup>{speed}overall {100 * overall:.1f}% busy · "
+                    f"idle {100 * (1 - overall):.1f}%</sup>")
     fig = go.Figure(go.Bar(x=names, y=values, text=[f"{v:.0f}%" for v in values],
                            textposition="outside", marker_color="#3a9a4b", name="utilisation",
                            hovertemplate="%{x}: %{y:.1f}%<extra></extra>"))
@@ -293,4 +321,114 @@ def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
     fig.update_yaxes(title_text="loss", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(title_text="accuracy (%)", range=[0, 100], tickmode="array",
                      tickvals=[0, 25, 50, 75, 100], showgrid=False, secondary_y=True)
+    return fig
+
+
+# -- where the time goes -----------------------------------------------------------------
+
+def breakdown_figure(runs: Mapping[str, Timeline], title: Optional[str] = None) -> go.Figure:
+    """One stacked bar per run: busy, bubble, imbalance, host and step as % of its IPU time.
+
+    Each run's label carries its speed (ms per step, samples/s when known),
+    which is what the runs are compared by; the bars explain it (see
+    :meth:`Timeline.idle_breakdown`). The textbook bubble (N − 1)/(M + N − 1)
+    is in the hover text.
+    """
+    names, rows = [], []
+    for name, tl in runs.items():
+        b = tl.idle_breakdown()
+        speed = f"{tl.time_per_step() * 1e3:.1f} ms/step"
+        if tl.meta.get("samples"):
+            speed += f" · {tl.throughput():,.0f} samples/s"
+        names.append(f"{name}<br>{speed}")
+        rows.append(b)
+    fig = go.Figure()
+    for key, label, colour in BREAKDOWN_PARTS:
+        values = [100.0 * r["shares"][key] for r in rows]
+        fig.add_trace(go.Bar(
+            y=names, x=values, name=label, orientation="h", marker_color=colour,
+            text=[f"{v:.0f}%" if v >= 4 else "" for v in values], textposition="inside",
+            customdata=[100.0 * r["textbook_bubble"] for r in rows],
+            hovertemplate=(f"{label}: %{{x:.1f}}% of IPU time"
+                           + ("<br>textbook (N−1)/(M+N−1): %{customdata:.1f}%"
+                              if key == "bubble" else "") + "<extra></extra>")))
+    fig.update_layout(barmode="stack", font=_FONT, template="plotly_white",
+                      title=dict(text=title or "Where the virtual IPUs' time goes"),
+                      height=max(220, 110 + 60 * len(names)), margin=dict(l=10, r=10, t=60, b=40),
+                      legend=dict(orientation="h", yanchor="top", y=-0.2))
+    fig.update_xaxes(title_text="% of wall time × virtual IPUs", range=[0, 100.5], ticksuffix="%")
+    fig.update_yaxes(type="category", autorange="reversed")
+    return fig
+
+
+def _idle_spans(timeline: Timeline) -> List[Tuple[str, float, float]]:
+    """(row, start, end) of every stretch a virtual IPU spends without a forward or backward."""
+    t0, t1 = timeline.start, timeline.end
+    busy: Dict[str, List[Tuple[float, float]]] = {}
+    for e in timeline.device_events():
+        if e.kind in ("forward", "backward"):
+            busy.setdefault(_track_name(e.ipu, e.replica), []).append((e.start, e.end))
+    spans = []
+    for row, intervals in busy.items():
+        t = t0
+        for a, b in sorted(intervals):
+            if a > t + 1e-12:
+                spans.append((row, t, a))
+            t = max(t, b)
+        if t1 > t + 1e-12:
+            spans.append((row, t, t1))
+    return spans
+
+
+def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
+                         kinds: Sequence[str] = ("gpipe", "1f1b"),
+                         forward_cost: float = 1.0, backward_cost: float = 1.0) -> go.Figure:
+    """The idealised schedules side by side: unit-cost passes, the bubble shaded.
+
+    One panel per schedule kind, time in units of one pass: micro-batches are
+    numbered on the bars, idle cells are shaded grey (the bubble, which is
+    exactly (N − 1)/(M + N − 1) of each row here), and each row's label names
+    the most micro-batches whose activations that stage holds at once (its
+    activation stash: GPipe M on every stage, 1F1B N − s).
+    """
+    from .simulate import simulate
+
+    timelines = [simulate(k, num_stages, micro_batches, forward_cost=forward_cost,
+                          backward_cost=backward_cost) for k in kinds]
+    titles = []
+    for k, tl in zip(kinds, timelines):
+        b = tl.idle_breakdown()
+        titles.append(f"{schedule_name(k)}: {tl.wall_time:g} units, idle "
+                      f"{100 * b['shares']['bubble']:.0f}% = (N−1)/(M+N−1)")
+    fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles, horizontal_spacing=0.12)
+    for col, (k, tl) in enumerate(zip(kinds, timelines), start=1):
+        peak = tl.peak_in_flight()
+        rename = {f"IPU {s}": f"stage {s} · holds {peak.get(s, 0)}" for s in range(num_stages)}
+        idle = _idle_spans(tl)
+        fig.add_trace(go.Bar(
+            name="idle (bubble)", orientation="h", base=[a for _, a, _ in idle],
+            x=[b - a for _, a, b in idle], y=[rename[r] for r, _, _ in idle],
+            marker=dict(color=IDLE_COLOUR, pattern=dict(shape="/", fgcolor="#aaaaaa"),
+                        line=dict(width=0)),
+            legendgroup="idle", showlegend=(col == 1),
+            hovertemplate="idle %{base} → %{x} units<extra></extra>"), row=1, col=col)
+        for trace in _timeline_traces(tl, legend=(col == 1)):
+            trace.y = [rename.get(y, y) for y in trace.y]
+            trace.base = [b / 1e3 for b in trace.base]     # units, not ms
+            trace.x = [w / 1e3 for w in trace.x]
+            trace.hovertemplate = ("%{fullData.name} · micro-batch %{customdata[1]}"
+                                   "<br>%{y}<extra></extra>")
+            fig.add_trace(trace, row=1, col=col)
+        fig.update_yaxes(type="category", categoryarray=[rename[f"IPU {s}"]
+                                                         for s in range(num_stages)],
+                         categoryorder="array", autorange="reversed", row=1, col=col)
+        fig.update_xaxes(title_text="time (units of one pass)", dtick=2, row=1, col=col)
+    fig.update_layout(
+        title=dict(text=f"Idealised schedules: {num_stages} stages, {micro_batches} micro-batches"
+                        f"<br><sup>each pass takes one unit; shaded cells are idle; "
+                        f"'holds k': activations of k micro-batches stashed at most</sup>"),
+        barmode="overlay", bargap=0.2, font=_FONT, template="plotly_white",
+        height=max(260, 120 + 44 * num_stages), margin=dict(l=10, r=10, t=90, b=40),
+        uniformtext=dict(minsize=8, mode="hide"),
+        legend=dict(orientation="h", yanchor="top", y=-0.25))
     return fig

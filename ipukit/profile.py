@@ -61,11 +61,17 @@ def _summary(timeline: Timeline) -> Dict[str, Any]:
         "iterations": meta.get("iterations", ""),
         "replicas": meta.get("replicas", ""),
         "wall time": f"{timeline.wall_time * 1e3:.3f} ms",
-        "utilisation": f"{u['overall']:.1%}",
-        "bubble": f"{u['bubble']:.1%}",
     }
     if timeline.throughput() > 0:
         rows["throughput"] = f"{timeline.throughput():.1f} samples/s"
+    rows["time per step"] = f"{timeline.time_per_step() * 1e3:.3f} ms"
+    b = timeline.idle_breakdown()["shares"]
+    rows["utilisation"] = f"{u['overall']:.1%}"
+    rows["idle: bubble (fill and drain)"] = (
+        f"{b['bubble']:.1%} (textbook (N−1)/(M+N−1): {timeline.textbook_bubble():.1%})")
+    rows["idle: imbalance, hand-offs, core waits"] = f"{b['imbalance']:.1%}"
+    rows["idle: host"] = f"{b['host']:.1%}"
+    rows["idle: optimiser step (host)"] = f"{b['step']:.1%}"
     return rows
 
 

@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional
 
 KIND_NAMES = {"F": "forward", "B": "backward", "S": "step"}
-COMPUTE_KINDS = ("forward", "backward", "step")
+#: Work that makes a virtual IPU busy. The optimiser step is not among them: ipukit runs it
+#: once, on the host, for every stage's weights (the executor and the model both record one
+#: ``step`` event per stage with the same span), so during a step every virtual IPU waits.
+COMPUTE_KINDS = ("forward", "backward")
+#: Work on the host while the virtual IPUs wait for it.
+HOST_KINDS = ("host", "transfer")
 
 
 class Event(NamedTuple):
@@ -73,6 +78,7 @@ class Timeline:
         return sorted({(e.replica, e.ipu) for e in self.device_events()})
 
     def busy_time(self) -> Dict[tuple, float]:
+        """Seconds of forward and backward passes per (replica, ipu) track."""
         busy: Dict[tuple, float] = {t: 0.0 for t in self.tracks()}
         for e in self.device_events():
             if e.kind in COMPUTE_KINDS:
@@ -82,7 +88,10 @@ class Timeline:
     def utilisation(self) -> Dict[str, Any]:
         """Busy time ÷ wall time, per virtual IPU and ``overall`` (÷ wall × IPUs).
 
-        Keys: ``per_ipu`` ({ipu: fraction}, replicas averaged), ``per_track``
+        Busy means a forward or backward pass; the optimiser step runs on the
+        host (see :data:`COMPUTE_KINDS`). Utilisation explains a speed, it is not
+        one: compare runs by :meth:`time_per_step` and :meth:`throughput`, and
+        see :meth:`idle_breakdown` for where the idle time goes. Keys: ``per_ipu`` ({ipu: fraction}, replicas averaged), ``per_track``
         ({"IPU i[ · replica r]": fraction}), ``overall``, ``bubble`` (1 − overall).
         """
         wall = self.wall_time
@@ -105,6 +114,160 @@ class Timeline:
         if not samples or self.wall_time <= 0:
             return 0.0
         return samples / self.wall_time
+
+    @property
+    def iterations(self) -> int:
+        """Optimiser steps (device iterations) in the timeline, per call."""
+        if "iterations" in self.meta:
+            return int(self.meta["iterations"])
+        return max((e.iteration for e in self.events), default=0) + 1
+
+    def time_per_step(self) -> float:
+        """Seconds of wall time per optimiser step (per device iteration for inference)."""
+        calls = len({e.call for e in self.events}) or 1
+        return self.wall_time / (max(1, self.iterations) * calls)
+
+    def speed(self) -> Dict[str, float]:
+        """The numbers to judge a run by: ``wall`` (s), ``time_per_step`` (s), ``samples_per_second``."""
+        return {"wall": self.wall_time, "time_per_step": self.time_per_step(),
+                "samples_per_second": self.throughput()}
+
+    def host_steps(self) -> List[Event]:
+        """The optimiser steps as host events, one per (call, iteration, replica).
+
+        The executor and the model record a step on every stage's track, each with the
+        span of the one host operation that steps all of them; this folds them back.
+        """
+        spans: Dict[tuple, List[float]] = {}
+        for e in self.events:
+            if e.kind == "step":
+                key = (e.call, e.iteration, e.replica)
+                if key in spans:
+                    spans[key][0] = min(spans[key][0], e.start)
+                    spans[key][1] = max(spans[key][1], e.end)
+                else:
+                    spans[key] = [e.start, e.end]
+        return [Event(-1, "step", -1, a, b, -1, r, it, call)
+                for (call, it, r), (a, b) in sorted(spans.items(), key=lambda kv: kv[1][0])]
+
+    def textbook_bubble(self) -> float:
+        """(N − 1) / (M + N − 1): the idle share of a pipeline of N equal stages and M micro-batches.
+
+        N is the number of stages, M the micro-batches per optimiser step (per
+        device iteration for inference); a sharded run is a pipeline of one
+        micro-batch at a time, (N − 1) / N.
+        """
+        meta = self.meta
+        ipus = {e.ipu for e in self.device_events()}
+        n = int(meta.get("num_stages") or len(ipus) or 1)
+        n = min(n, len(ipus)) if ipus else n          # stages sharing an IPU: one row each
+        kind = str(meta.get("kind") or meta.get("schedule") or "")
+        if kind.startswith("sharded"):
+            m = 1
+        else:
+            m = int(meta.get("micro_batches") or 0) or (
+                max((e.micro_batch for e in self.device_events()), default=0) + 1)
+        return (n - 1) / (m + n - 1) if n > 1 else 0.0
+
+    def idle_breakdown(self) -> Dict[str, Any]:
+        """Where the virtual IPUs' idle time goes, in seconds of IPU time.
+
+        The capacity is wall time × virtual IPUs; what is not ``busy``
+        (forwards and backwards) is ``idle``, split into parts that add up to it:
+
+        * ``step`` — every IPU waits while the host steps the optimiser;
+        * ``host`` — every IPU waits while the host works alone (cutting the
+          input into micro-batches, gathering outputs, combining gradients);
+        * ``bubble`` — the pipeline's fill and drain: the textbook share
+          (N − 1)/(M + N − 1) (:meth:`textbook_bubble`) of the time the pipeline ran;
+        * ``imbalance`` — the rest of the pipeline's idle time: stages of unequal
+          cost (the others wait for the slowest), hand-offs between workers, and on
+          a CPU, workers waiting for a core.
+
+        ``shares`` holds each part as a fraction of the capacity, with ``busy``;
+        the shares add up to 1. For equal stage costs and nothing else, ``bubble``
+        is exactly the textbook share and ``imbalance`` 0.
+        """
+        tracks = self.tracks()
+        P = len(tracks)
+        parts = {"busy": 0.0, "bubble": 0.0, "imbalance": 0.0, "host": 0.0, "step": 0.0}
+        out: Dict[str, Any] = {"ipus": P, "wall": self.wall_time,
+                               "capacity": P * self.wall_time,
+                               "textbook_bubble": self.textbook_bubble()}
+        if P == 0 or self.wall_time <= 0:
+            out.update(parts, idle=0.0, pipeline=0.0,
+                       shares={k: 0.0 for k in parts})
+            return out
+        marks: List[tuple] = []
+        for e in self.events:
+            if e.end <= e.start:
+                continue
+            if e.kind == "step":
+                what = 1
+            elif e.ipu >= 0 and e.kind in COMPUTE_KINDS:
+                what = 0
+            elif e.ipu < 0 and e.kind in HOST_KINDS:
+                what = 2
+            else:
+                continue
+            marks.append((e.start, what, 1))
+            marks.append((e.end, what, -1))
+        marks.sort()
+        active = [0, 0, 0]          # busy tracks, steps, host spans
+        pipeline_time = pipeline_idle = 0.0
+        t = self.start
+        for time, what, delta in marks:
+            dt = time - t
+            if dt > 0:
+                busy = min(active[0], P)
+                idle = (P - busy) * dt
+                parts["busy"] += busy * dt
+                if active[1]:
+                    parts["step"] += idle
+                elif active[2] and busy == 0:
+                    parts["host"] += idle
+                else:
+                    pipeline_time += dt
+                    pipeline_idle += idle
+                t = time
+            active[what] += delta
+        bubble = min(pipeline_idle, out["textbook_bubble"] * P * pipeline_time)
+        parts["bubble"] = bubble
+        parts["imbalance"] = pipeline_idle - bubble
+        capacity = out["capacity"]
+        out.update(parts)
+        out["idle"] = capacity - parts["busy"]
+        out["pipeline"] = pipeline_time
+        out["shares"] = {k: v / capacity for k, v in parts.items()}
+        return out
+
+    def peak_in_flight(self) -> Dict[int, int]:
+        """Per stage, the most micro-batches whose activations are held at once (replica 0).
+
+        A micro-batch is held from the start of its forward pass to the end of its
+        backward pass on that stage: the activation stash a schedule needs (GPipe: M on
+        every stage; ipukit's 1F1B: N − s on stage s). Inference holds none past a pass.
+        """
+        out: Dict[int, int] = {}
+        by_stage: Dict[int, List[tuple]] = {}
+        for e in self.events:
+            if e.replica != 0 or e.stage < 0:
+                continue
+            if e.kind == "forward":
+                by_stage.setdefault(e.stage, []).append((e.start, 1))
+            elif e.kind == "backward":
+                by_stage.setdefault(e.stage, []).append((e.end, -1))
+        training = any(e.kind == "backward" for e in self.events)
+        for stage, marks in sorted(by_stage.items()):
+            if not training:
+                out[stage] = 1 if marks else 0
+                continue
+            level = peak = 0
+            for _, delta in sorted(marks):          # at equal times, a release comes first
+                level += delta
+                peak = max(peak, level)
+            out[stage] = peak
+        return out
 
     def stage_costs(self, statistic: str = "median") -> Dict[str, List[float]]:
         """Per-stage forward/backward/step times, for :func:`ipukit.simulate`."""
@@ -183,8 +346,9 @@ class Timeline:
 
     def __repr__(self) -> str:
         u = self.utilisation()["overall"] if self.events else 0.0
+        speed = f", {self.throughput():,.0f} samples/s" if self.meta.get("samples") else ""
         return (f"Timeline({self.label}, {len(self.events)} events, "
-                f"wall {self.wall_time * 1e3:.2f} ms, utilisation {u:.1%})")
+                f"wall {self.wall_time * 1e3:.2f} ms{speed}, utilisation {u:.1%})")
 
 
 def _plain(value):

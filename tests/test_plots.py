@@ -10,6 +10,11 @@ from ipukit import Timeline, plots
 from ipukit.memory import MemoryReport
 
 
+def drawn_bars(tl):
+    """Bars a Gantt chart of ``tl`` holds: every event, with the steps folded to one per step."""
+    return len([e for e in tl.events if e.kind != "step"]) + len(tl.host_steps())
+
+
 def by_name(fig):
     return {trace.name: trace for trace in fig.data}
 
@@ -22,7 +27,9 @@ def test_gantt_has_one_bar_per_event_coloured_by_kind():
     traces = by_name(fig)
     assert len(traces["forward"].x) == N * M
     assert len(traces["backward"].x) == N * M
-    assert len(traces["optimiser step"].x) == N
+    # the optimiser step runs once, on the host: one bar on the host row, not one per IPU
+    assert len(traces[plots.LABELS["step"]].x) == 1
+    assert set(traces[plots.LABELS["step"]].y) == {"host"}
     assert len(traces["host"].x) == 1
     assert traces["forward"].marker.color == plots.COLOURS["forward"]
     assert traces["backward"].marker.color == plots.COLOURS["backward"]
@@ -31,7 +38,7 @@ def test_gantt_has_one_bar_per_event_coloured_by_kind():
     # micro-batch numbers are written on the bars; steps and host spans carry no number
     assert sorted(traces["forward"].text, key=int) == sorted(
         [str(m) for m in range(M)] * N, key=int)
-    assert set(traces["optimiser step"].text) == {""}
+    assert set(traces[plots.LABELS["step"]].text) == {""}
     # bars start at the event's start and are as long as the event, in ms
     forwards = [e for e in tl.events if e.kind == "forward"]
     i = next(k for k, e in enumerate(forwards) if (e.stage, e.micro_batch) == (2, 4))
@@ -60,7 +67,7 @@ def test_idle_gaps_stay_empty():
                    if y == "IPU 3")
     covered = sum(b - a for a, b in spans)
     assert covered == pytest.approx(tl.busy_time()[(0, 3)] * 1e3)
-    assert covered < (spans[-1][1] - spans[0][0]) * 0.75
+    assert covered < tl.wall_time * 1e3 * 0.75
 
 
 def test_micro_batch_labels_can_be_left_off():
@@ -78,6 +85,43 @@ def test_utilisation_figure_in_percent_from_a_timeline_or_a_dict():
         assert f"{100 * u['overall']:.1f}%" in fig.layout.title.text
         assert tuple(fig.layout.yaxis.range) == (0, 105)
     assert "modeled" in plots.utilisation_figure(tl).layout.title.text
+    # from a timeline, its speed comes first
+    timed = ipukit.simulate("1f1b", 2, 4, forward_cost=1e-3, backward_cost=2e-3, samples=160)
+    sub = plots.utilisation_figure(timed).layout.title.text.split("<br>")[1]
+    assert sub.index("ms per step") < sub.index("busy")
+    assert f"{timed.throughput():,.0f} samples/s" in sub
+
+
+def test_breakdown_figure_stacks_the_idle_parts_to_100_and_labels_speed():
+    runs = {"pipelined": ipukit.simulate("1f1b", 4, 8, forward_cost=[1, 2, 1, 1], step_cost=2.0,
+                                         host_overhead=3.0, samples=320),
+            "sharded": ipukit.simulate("sharded", 4, 8, samples=320)}
+    fig = plots.breakdown_figure(runs)
+    assert [t.name for t in fig.data] == [label for _, label, _ in plots.BREAKDOWN_PARTS]
+    for i, (name, tl) in enumerate(runs.items()):
+        assert sum(t.x[i] for t in fig.data) == pytest.approx(100.0)
+        assert fig.data[0].y[i].startswith(name) and "samples/s" in fig.data[0].y[i]
+        shares = tl.idle_breakdown()["shares"]
+        assert [t.x[i] for t in fig.data] == pytest.approx(
+            [100 * shares[k] for k, _, _ in plots.BREAKDOWN_PARTS])
+
+
+def test_schedule_grid_shows_both_schedules_bubble_and_stash():
+    N, M = 4, 6
+    fig = plots.schedule_grid_figure(N, M)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[0].startswith("GPipe") and titles[1].startswith("1F1B")
+    bubble = f"{100 * (N - 1) / (M + N - 1):.0f}%"
+    assert all(bubble in t for t in titles[:2])
+    idle = [t for t in fig.data if t.name == "idle (bubble)"]
+    assert len(idle) == 2
+    for trace in idle:          # idle cells of a unit grid: 2 (N - 1) units per row
+        assert sum(trace.x) == pytest.approx(2 * (N - 1) * N)
+    rows = [list(fig.layout.yaxis.categoryarray), list(fig.layout.yaxis2.categoryarray)]
+    assert rows[0] == [f"stage {s} · holds {M}" for s in range(N)]         # GPipe stashes M
+    assert rows[1] == [f"stage {s} · holds {N - s}" for s in range(N)]     # 1F1B stashes N - s
+    forwards = [t for t in fig.data if t.name == "forward"]
+    assert sorted(forwards[0].text, key=int) == sorted([str(m) for m in range(M)] * N, key=int)
 
 
 def test_compare_stacks_measured_over_modeled_on_one_time_axis():
@@ -89,8 +133,8 @@ def test_compare_stacks_measured_over_modeled_on_one_time_axis():
     assert titles[0].startswith("measured") and titles[1].startswith("modeled")
     assert {t.xaxis for t in fig.data} == {"x", "x2"}
     assert fig.layout.xaxis.matches == "x2"                 # shared time axis
-    assert sum(len(t.x) for t in fig.data if t.xaxis == "x") == len(measured.events)
-    assert sum(len(t.x) for t in fig.data if t.xaxis == "x2") == len(modeled.events)
+    assert sum(len(t.x) for t in fig.data if t.xaxis == "x") == drawn_bars(measured)
+    assert sum(len(t.x) for t in fig.data if t.xaxis == "x2") == drawn_bars(modeled)
     assert sum(1 for t in fig.data if t.showlegend) == 3    # one legend entry per kind
 
 

@@ -4,6 +4,7 @@ The model sleeps a known time per block (forward and backward, releasing the
 GIL), so durations and dependencies can be checked on a busy 2-core machine.
 """
 import json
+import random
 import statistics
 from collections import defaultdict
 
@@ -184,9 +185,12 @@ def test_utilisation_throughput_and_costs_by_hand():
     tl = _handmade()
     assert tl.wall_time == 9.0
     u = tl.utilisation()
-    assert u["per_ipu"] == {0: 5 / 9, 1: 4 / 9}
-    assert u["overall"] == pytest.approx(9 / 18) and u["bubble"] == pytest.approx(0.5)
+    # busy = forwards and backwards; the step (8-9) runs on the host, every IPU waits
+    assert u["per_ipu"] == {0: 4 / 9, 1: 3 / 9}
+    assert u["overall"] == pytest.approx(7 / 18) and u["bubble"] == pytest.approx(11 / 18)
     assert tl.throughput() == pytest.approx(2.0)
+    assert tl.time_per_step() == 9.0 and tl.speed()["samples_per_second"] == pytest.approx(2.0)
+    assert tl.host_steps() == [Event(-1, "step", -1, 8.0, 9.0, -1)]
     assert tl.stage_costs() == {"forward": [2.0, 1.0], "backward": [2.0, 2.0], "step": [1.0, 1.0]}
     assert ipukit.costs_from(tl)["forward_cost"] == [2.0, 1.0]
 
@@ -247,3 +251,118 @@ def test_chrome_trace_is_valid_with_one_track_per_virtual_ipu(measured, tmp_path
              and e["args"]["micro_batch"] == one.micro_batch
              and e["args"]["iteration"] == one.iteration]
     assert len(match) == 1 and match[0]["dur"] == pytest.approx(one.duration * 1e6, abs=0.01)
+
+
+# -- where the idle time goes ------------------------------------------------------------------
+
+def test_idle_breakdown_by_hand():
+    """host 0-1 and step 8-9 leave both IPUs idle; in 1-8 the pipeline of 2 stages, 1
+    micro-batch: textbook (N-1)/(M+N-1) = 1/2 of its 2 x 7 IPU-seconds is the bubble
+    (7 of 14; busy 7), so nothing is left for imbalance."""
+    b = _handmade().idle_breakdown()
+    assert b["capacity"] == 18.0 and b["busy"] == 7.0 and b["idle"] == 11.0
+    assert b["host"] == 2.0 and b["step"] == 2.0
+    assert b["textbook_bubble"] == 0.5 and b["bubble"] == 7.0 and b["imbalance"] == 0.0
+    assert sum(b["shares"].values()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("N,M", [(2, 2), (4, 4), (4, 8), (3, 10), (6, 7)])
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+def test_textbook_bubble_matches_the_unit_cost_grid(kind, N, M, backward):
+    """Equal stages: the grid has M + N - 1 slots per phase, each row M busy ones."""
+    tl = ipukit.simulate(kind, N, M, forward_cost=1.0, backward_cost=backward)
+    assert tl.wall_time == pytest.approx((M + N - 1) * (1.0 + backward))
+    b = tl.idle_breakdown()
+    assert b["textbook_bubble"] == pytest.approx((N - 1) / (M + N - 1))
+    assert b["shares"]["bubble"] == pytest.approx((N - 1) / (M + N - 1))
+    assert b["imbalance"] == pytest.approx(0.0, abs=1e-9)
+    assert b["host"] == b["step"] == 0.0
+    assert b["shares"]["bubble"] == pytest.approx(tl.utilisation()["bubble"])
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "sharded", "inference"])
+def test_idle_parts_add_up_to_the_idle_time(kind):
+    rng = random.Random(kind)
+    N, M, D = 4, 6, 3
+    tl = ipukit.simulate(kind, N, M, forward_cost=[rng.uniform(0.5, 2) for _ in range(N)],
+                         backward_cost=[rng.uniform(1, 4) for _ in range(N)] if "inf" not in kind
+                         else 0.0, step_cost=0.7, host_overhead=2.5, iterations=D)
+    b = tl.idle_breakdown()
+    assert b["idle"] == pytest.approx(b["capacity"] * (1 - tl.utilisation()["overall"]))
+    assert b["bubble"] + b["imbalance"] + b["host"] + b["step"] == pytest.approx(b["idle"])
+    assert b["host"] == pytest.approx(N * 2.5)                     # every IPU waits for the host
+    if kind != "inference":                                        # and for every step
+        assert len(tl.host_steps()) == D
+        assert b["step"] == pytest.approx(N * sum(e.duration for e in tl.host_steps()))
+        if kind != "sharded":       # (a sharded lane steps its stages one after another)
+            assert b["step"] == pytest.approx(N * 0.7 * D)
+    if kind != "inference":
+        assert b["imbalance"] > 0                                  # unequal stages
+    if kind == "sharded":
+        assert b["textbook_bubble"] == pytest.approx((N - 1) / N)
+
+
+def test_a_slow_stage_is_imbalance_not_bubble():
+    even = ipukit.simulate("1f1b", 4, 16, forward_cost=1.0, backward_cost=2.0).idle_breakdown()
+    slow = ipukit.simulate("1f1b", 4, 16, forward_cost=[1, 3, 1, 1],
+                           backward_cost=[2, 6, 2, 2]).idle_breakdown()
+    assert slow["shares"]["bubble"] == pytest.approx(even["shares"]["bubble"])
+    assert slow["shares"]["imbalance"] > 0.3 and even["shares"]["imbalance"] == pytest.approx(0)
+
+
+def test_more_micro_batches_shrink_the_bubble_not_host_or_imbalance_time():
+    shares = [ipukit.simulate("1f1b", 4, m, forward_cost=[1, 2, 1, 1], backward_cost=2.0,
+                              host_overhead=5.0).idle_breakdown() for m in (4, 8, 32)]
+    bubbles = [b["shares"]["bubble"] for b in shares]
+    assert bubbles == sorted(bubbles, reverse=True)
+    assert [b["textbook_bubble"] for b in shares] == pytest.approx([3 / 7, 3 / 11, 3 / 35])
+
+
+def test_peak_activations_in_flight():
+    N, M = 4, 8
+    assert ipukit.simulate("gpipe", N, M).peak_in_flight() == {s: M for s in range(N)}
+    assert ipukit.simulate("1f1b", N, M).peak_in_flight() == {s: N - s for s in range(N)}
+    assert ipukit.simulate("inference", N, M).peak_in_flight() == {s: 1 for s in range(N)}
+
+
+def test_measured_steps_are_not_busy_time(measured):
+    _, tl = measured
+    steps = [e for e in tl.events if e.kind == "step"]
+    assert steps, "a training call records its optimiser steps"
+    busy = tl.busy_time()
+    passes = {}
+    for e in tl.device_events():
+        if e.kind in ("forward", "backward"):
+            passes[(e.replica, e.ipu)] = passes.get((e.replica, e.ipu), 0.0) + e.duration
+    assert busy == pytest.approx(passes)
+    b = tl.idle_breakdown()
+    assert b["bubble"] + b["imbalance"] + b["host"] + b["step"] == pytest.approx(b["idle"])
+    assert b["step"] >= 0.99 * len(tl.tracks()) * sum(e.duration for e in tl.host_steps())
+
+
+# -- measuring on a CPU whose cores the workers share ------------------------------------------
+
+def test_uncontended_costs_undo_fair_sharing():
+    """4 passes of 1 s each started together on 2 cores: each span lasts 2 s, each did 1 s."""
+    from ipukit.simulate import uncontended_costs
+
+    events = [Event(s, "forward", 0, 0.0, 2.0, s) for s in range(4)]
+    events += [Event(s, "backward", 0, 2.0 + s, 3.0 + s, s) for s in range(4)]   # one at a time
+    tl = Timeline(events, meta={"kind": "gpipe", "num_stages": 4, "micro_batches": 1})
+    assert tl.stage_costs()["forward"] == [2.0] * 4
+    c = uncontended_costs(tl, cores=2)
+    assert c["forward"] == pytest.approx([1.0] * 4)
+    assert c["backward"] == pytest.approx([1.0] * 4)
+    assert uncontended_costs(tl, cores=4)["forward"] == pytest.approx([2.0] * 4)   # no sharing
+    with pytest.raises(ValueError):
+        uncontended_costs(tl, cores=0)
+
+
+def test_available_cores_is_the_executors_count():
+    import os
+
+    from ipukit.executor import default_threads
+    from ipukit.simulate import available_cores
+
+    assert available_cores() == len(os.sched_getaffinity(0)) == default_threads(1)

@@ -312,9 +312,8 @@ class PipelineExplorer:
             update_figure(self.modeled_timeline_figure,
                           plots.timeline_figure(view.drawn, title=title, show_micro_batches=True))
             update_figure(self.modeled_utilisation_figure,
-                          plots.utilisation_figure({"per_ipu": view.utilisation,
-                                                    "overall": view.overall},
-                                                   title="Utilisation per virtual IPU — modeled"))
+                          plots.utilisation_figure(view.timeline,
+                                                   title="Utilisation per virtual IPU"))
             if result.report is not None:
                 update_figure(self.memory_figure, plots.memory_figure(result.report))
             self.summary.value = logic.format_summary(view)

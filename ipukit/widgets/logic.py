@@ -28,7 +28,7 @@ import torch
 from ..enums import OutputMode
 from ..errors import Error
 from ..options import Options, TensorLocationSettings
-from ..simulate import simulate
+from ..simulate import available_cores, simulate, uncontended_costs
 from ..strategies import PipelinedExecution, ShardedExecution, Stage
 from ..timeline import Timeline
 
@@ -280,15 +280,23 @@ def _share(total: float, kind: str, names: Sequence[str], micro_batch_size: int)
     return {b: total * w / whole for b, w in zip(names, weights)}
 
 
-def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = None) -> CostTable:
+def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = None,
+                   cores: Optional[int] = None) -> CostTable:
     """Per-block costs measured in a training call of ``config`` (medians).
 
     A stage holding one block gives that block's cost directly; a stage of
     several blocks shares its measured cost among them in the proportions of
     the default table. The optimiser step and the host's per-call work are
     measured too.
+
+    Measured spans stretch when more workers run than the machine has cores
+    (``cores``, default the cores the executor shares: the process's CPU
+    affinity); the costs are each pass's share of a core over its span
+    (:func:`ipukit.simulate.uncontended_costs`), what the pass costs alone,
+    so that a model with one core per virtual IPU (an IPU's view) does not
+    inherit the contention.
     """
-    stage = timeline.stage_costs("median")
+    stage = uncontended_costs(timeline, available_cores() if cores is None else cores)
     forward: Dict[str, float] = {}
     backward: Dict[str, float] = {}
     groups = config.stage_blocks
@@ -297,7 +305,7 @@ def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = N
         b = stage["backward"][s] if s < len(stage["backward"]) else 0.0
         forward.update(_share(f, "forward", names, config.micro_batch_size))
         backward.update(_share(b, "backward", names, config.micro_batch_size))
-    step = _median([e.duration for e in timeline.events if e.kind == "step"], _STEP)
+    step = _median([e.duration for e in timeline.host_steps()], _STEP)
     host = [e for e in timeline.events if e.kind == "host"]
     edge = [e for e in host if e.start <= timeline.start + 1e-12 or e.end >= timeline.end - 1e-12]
     inner = [e.duration for e in host if e not in edge]      # combining gradients before a step
@@ -363,7 +371,7 @@ class ModeledView:
     timeline: Timeline
     utilisation: Dict[int, float]
     overall: float
-    bubble: float
+    bubble: float                 # pipeline fill and drain, share of IPU time
     wall_time: float
     samples_per_second: float
     host_calls_per_epoch: int
@@ -371,29 +379,61 @@ class ModeledView:
     cost_source: str
     drawn: Timeline = None
     drawn_note: str = ""
+    time_per_step: float = 0.0
+    breakdown: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> float:
+        """Share of the virtual IPUs' time without a forward or backward pass (1 − overall)."""
+        return 1.0 - self.overall
 
     @property
     def title(self) -> str:
         return f"Modeled call ({self.cost_source})"
 
     def summary(self) -> Dict[str, Any]:
-        return {"combined batch": self.combined_batch,
+        return {"samples/s": self.samples_per_second, "time per step (s)": self.time_per_step,
+                "call time (s)": self.wall_time, "combined batch": self.combined_batch,
                 "host calls per epoch": self.host_calls_per_epoch,
                 "utilisation": self.overall, "bubble": self.bubble,
-                "call time (s)": self.wall_time, "samples/s": self.samples_per_second}
+                "textbook bubble": self.breakdown.get("textbook_bubble", 0.0)}
 
 
 def modeled_view(config: Config, costs: CostTable, samples_per_epoch: int,
                  parameters: int = 0) -> ModeledView:
-    """Model one call of ``config``: timeline, per-stage utilisation, bubble, throughput."""
+    """Model one call of ``config``: speed first, then utilisation and where the idle time goes.
+
+    ``bubble`` is the pipeline's fill and drain only (see
+    :meth:`ipukit.Timeline.idle_breakdown`); host time, the optimiser step and
+    unequal stages are counted apart.
+    """
     tl = modeled_timeline(config, costs, parameters)
     u = tl.utilisation()
+    b = tl.idle_breakdown()
     drawn, note = clip_for_drawing(tl)
     return ModeledView(config=config, timeline=tl, utilisation=dict(u["per_ipu"]),
-                       overall=u["overall"], bubble=u["bubble"], wall_time=tl.wall_time,
+                       overall=u["overall"], bubble=b["shares"]["bubble"], wall_time=tl.wall_time,
                        samples_per_second=tl.throughput(), combined_batch=config.combined_batch,
                        host_calls_per_epoch=host_calls_per_epoch(samples_per_epoch, config),
-                       cost_source=costs.source, drawn=drawn, drawn_note=note)
+                       cost_source=costs.source, drawn=drawn, drawn_note=note,
+                       time_per_step=tl.time_per_step(), breakdown=b)
+
+
+def rank_splits(config: Config, costs: CostTable, samples_per_epoch: int = 60000,
+                splits: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Every stage split of ``config``'s blocks, modeled and sorted fastest first.
+
+    Each row holds the split, ``samples_per_second``, ``time_per_step`` (s) and
+    ``utilisation``: the ranking is by speed, the utilisation explains it.
+    """
+    rows = []
+    for label in (splits or contiguous_splits(config.blocks)):
+        view = modeled_view(config.with_(split=label), costs, samples_per_epoch)
+        rows.append({"split": label, "stages": config.with_(split=label).num_stages,
+                     "samples_per_second": view.samples_per_second,
+                     "time_per_step": view.time_per_step, "utilisation": view.overall,
+                     "bubble": view.bubble})
+    return sorted(rows, key=lambda r: -r["samples_per_second"])
 
 
 def bar_values(utilisation: Dict[int, float]) -> List[float]:
@@ -518,13 +558,19 @@ def utilisation_record(timeline: Optional[Timeline]) -> Dict[str, Any]:
 def format_summary(view: ModeledView, error: Optional[str] = None) -> str:
     """The modeled view's key numbers as a short HTML table."""
     per = " · ".join(f"IPU {k}: {100 * v:.0f}%" for k, v in sorted(view.utilisation.items()))
+    b = view.breakdown.get("shares", {})
+    idle = (f"bubble {100 * b.get('bubble', 0):.1f}% (textbook (N−1)/(M+N−1) "
+            f"{100 * view.breakdown.get('textbook_bubble', 0):.1f}%) · imbalance "
+            f"{100 * b.get('imbalance', 0):.1f}% · host {100 * b.get('host', 0):.1f}% · "
+            f"optimiser step {100 * b.get('step', 0):.1f}%")
     rows = [
+        ("modeled throughput", f"{view.samples_per_second:,.0f} samples/s"),
+        ("modeled time per optimiser step", f"{1e3 * view.time_per_step:.2f} ms"),
+        ("modeled call time", f"{1e3 * view.wall_time:.2f} ms"),
         ("combined batch per host call", f"{view.combined_batch:,} samples"),
         ("host calls per epoch", f"{view.host_calls_per_epoch:,}"),
         ("modeled utilisation", f"{100 * view.overall:.1f}% ({per})"),
-        ("bubble (idle share)", f"{100 * view.bubble:.1f}%"),
-        ("modeled call time", f"{1e3 * view.wall_time:.2f} ms"),
-        ("modeled throughput", f"{view.samples_per_second:,.0f} samples/s"),
+        ("idle time, of all IPU time", idle),
         ("costs", view.cost_source),
     ]
     if view.drawn_note:
