@@ -22,11 +22,22 @@ from .options import Options
 
 
 def _warn_incomplete_last_batch(dataset, combined: int, drop_last: bool) -> None:
-    """PopTorch's warning: with drop_last=False the last batch may not fit the model."""
+    """PopTorch's warning: with drop_last=False the last batch may not fit the model.
+
+    And a dataset smaller than one combined batch, with drop_last, yields no
+    batch at all: say so rather than train on nothing.
+    """
     try:
-        remainder = len(dataset) % combined
+        size = len(dataset)
     except TypeError:  # an iterable dataset has no length
         return
+    remainder = size % combined
+    if drop_last and size < combined:
+        warnings.warn(
+            f"ipukit.DataLoader: the dataset has {size} samples, fewer than one combined batch "
+            f"({combined} = batch_size × deviceIterations × replicationFactor × "
+            "gradientAccumulation), so with drop_last=True an epoch has no batch at all. Use "
+            "a smaller batch_size or deviceIterations, or more data.", stacklevel=3)
     if remainder and not drop_last:
         warnings.warn(
             f"ipukit.DataLoader: {len(dataset)} samples and drop_last=False: the last batch "
@@ -51,9 +62,15 @@ class DataLoader(torch.utils.data.DataLoader):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise OptionsError(f"DataLoader(batch_size={batch_size!r}): expected an int >= 1 "
                                "(the micro-batch size).")
+        try:
+            mode = DataLoaderMode(mode)
+        except ValueError:
+            raise OptionsError(f"DataLoader(mode={mode!r}): not a data loader mode; use one of "
+                               f"{[str(m) for m in DataLoaderMode]} (e.g. "
+                               "ipukit.DataLoaderMode.Async to load ahead on a thread).") from None
         options._freeze()
         self.options = options
-        self._mode = DataLoaderMode(mode)
+        self._mode = mode
         self._async_options = dict(async_options or {})
         self.micro_batch_size = batch_size
         self._combined_batch_size = batch_size * options.combined_batch_factor
@@ -76,7 +93,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         self.terminate()  # a pass left early must stop loading before torch's iterator resets
-        it = super().__iter__()
+        it = _tagged(super().__iter__(), self.options.combined_batch_factor)
         if self._mode == DataLoaderMode.Sync:
             return it
         self._prefetch = _Prefetch(it, self._async_options.get("buffer_size", 3))
@@ -87,6 +104,21 @@ class DataLoader(torch.utils.data.DataLoader):
         active = self.__dict__.pop("_prefetch", None)
         if active is not None:
             active.close()
+
+
+def _tagged(batches: Iterator[Any], factor: int) -> Iterator[Any]:
+    """Mark each batch's first tensor with the micro-batches per call it was built for.
+
+    A model called with a batch built for other Options warns (its
+    micro-batches would silently hold another number of samples).
+    """
+    for batch in batches:
+        first = batch
+        while isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if isinstance(first, torch.Tensor):
+            first._ipukit_combined_factor = factor
+        yield batch
 
 
 class AsynchronousDataAccessor:
@@ -129,20 +161,24 @@ class _Prefetch:
                                         name="ipukit-dataloader", daemon=True)
         self._thread.start()
 
+    def _put(self, item: Any) -> bool:
+        """Queue ``item`` unless the consumer has stopped; never blocks past a ``close()``."""
+        while not self._stop.is_set():
+            try:
+                self._buffer.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def _load(self, iterator: Iterator[Any]) -> None:
         try:
             for item in iterator:
-                while not self._stop.is_set():
-                    try:
-                        self._buffer.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item):
                     return
-            self._buffer.put(_END)
+            self._put(_END)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            self._buffer.put(exc)
+            self._put(exc)
 
     def __iter__(self) -> "_Prefetch":
         return self
@@ -160,10 +196,21 @@ class _Prefetch:
         return item
 
     def close(self) -> None:
-        """Stop loading ahead; returns once the loading thread has finished."""
+        """Stop loading ahead; returns once the loading thread has finished.
+
+        The thread only ever blocks in a ``put`` that gives up once stopped, or
+        inside torch's iterator (one batch); emptying the buffer frees it at once.
+        """
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        if self._thread is threading.current_thread():
+            return
+        while self._thread.is_alive():
+            try:
+                while True:
+                    self._buffer.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.05)
 
     def __del__(self) -> None:
         self._stop.set()

@@ -63,3 +63,7 @@ class ModelStateError(Error):
 
 class DataError(Error):
     """A dataset could not be found or loaded."""
+
+
+class LossError(Error, ValueError):
+    """The model's loss cannot be trained on (not a scalar, no loss output)."""

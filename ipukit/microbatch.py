@@ -8,7 +8,7 @@ the outputs a call returns according to the output mode (PopTorch's shapes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -57,6 +57,11 @@ def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str])
                 "Give it one (e.g. x.reshape(1) per micro-batch, stacked), or use a combined "
                 "batch of 1.")
         size = value.shape[0]
+        if size == 0:
+            raise BatchSizeError(
+                f"Invalid batch dimension: the input {name} of shape {tuple(value.shape)} holds "
+                f"no samples; each call needs {factor} micro-batches of at least one sample. "
+                "Skip empty batches (ipukit.DataLoader never yields one).")
         if size % factor != 0:
             raise BatchSizeError(
                 f"Invalid batch dimension: in the input {name} of shape {tuple(value.shape)}, "
@@ -92,6 +97,22 @@ def check_period(mode: OutputMode, period: int, batching: Batching) -> None:
             f"× gradientAccumulation = {batching.steps}. Choose a divisor of {batching.steps}.")
 
 
+def kept_rows(mode: OutputMode, period: int, batching: Batching) -> Optional[FrozenSet[int]]:
+    """The rows (micro-batches, combined-batch order) whose outputs ``mode`` returns.
+
+    ``None`` means every row (``All``, ``Sum``); the executor copies outputs to
+    the host only for these rows.
+    """
+    R, steps = batching.replicas, batching.steps
+    if mode == OutputMode.Final:
+        chosen = [steps - 1]
+    elif mode == OutputMode.EveryN:
+        chosen = [s for s in range(steps) if (s + 1) % period == 0]
+    else:
+        return None
+    return frozenset(s * R + r for s in chosen for r in range(R))
+
+
 def gather(per_microbatch: List[list], mode: OutputMode, period: int,
            batching: Batching) -> list:
     """Combine per-micro-batch flat outputs into the flat outputs of the call.
@@ -111,7 +132,7 @@ def gather(per_microbatch: List[list], mode: OutputMode, period: int,
         def at(step, replica, j=j):
             return per_microbatch[step * R + replica][j]
 
-        sample = at(0, 0)
+        sample = at(steps - 1, R - 1)  # always kept (see kept_rows)
         if not isinstance(sample, torch.Tensor):
             result.append(at(steps - 1, R - 1))
             continue

@@ -15,6 +15,7 @@ import inspect
 import collections
 import datetime
 import time
+import warnings
 import weakref
 from typing import Any, List, Optional
 
@@ -27,7 +28,6 @@ from .enums import OutputMode
 from .errors import (Error, UnsupportedError, InputShapeError, ModelStateError, OptionsError,
                      PipelineConfigError, TracingError)
 from .executor import CallRunner, Plan, StateSnapshot
-from .ops import running_on_ipu
 from .options import Options
 from .strategies import ShardedExecution
 from .timeline import Event, Timeline
@@ -52,6 +52,10 @@ _IPU_ONLY_METHODS = {
                        "compile(*inputs)) to prepare it."),
 }
 
+_DESTROYED = ("This model was destroyed (model.destroy()) and can no longer run. Wrap the "
+              "module again: ipukit.trainingModel(module, options, optimizer) or "
+              "ipukit.inferenceModel(module, options).")
+
 _NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
                  "model.compile(*inputs)) first.")
 
@@ -59,7 +63,16 @@ _NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or
 def _devices_for(ipus: List[int], mapping: Optional[List[str]]) -> dict:
     """Virtual IPU → torch device: the option's list, else CUDA round-robin, else CPU."""
     if mapping:
-        return {ipu: torch.device(mapping[ipu % len(mapping)]) for ipu in ipus}
+        devices = {ipu: torch.device(mapping[ipu % len(mapping)]) for ipu in ipus}
+        for device in set(devices.values()):
+            if device.type == "cuda" and (not torch.cuda.is_available() or
+                                          (device.index or 0) >= torch.cuda.device_count()):
+                raise OptionsError(
+                    f"Options.deviceMapping({list(mapping)}): {device} is not available here "
+                    f"(CUDA available: {torch.cuda.is_available()}, devices: "
+                    f"{torch.cuda.device_count()}). Map the virtual IPUs to devices this "
+                    "machine has, e.g. deviceMapping(['cpu']), or leave it unset.")
+        return devices
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         n = torch.cuda.device_count()
         return {ipu: torch.device("cuda", k % n) for k, ipu in enumerate(ipus)}
@@ -95,6 +108,53 @@ def _signature(flat: List[Any], factor: int) -> List[Any]:
     return sig
 
 
+def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
+    """An optimizer must be a torch optimizer over (some of) this model's parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise OptionsError(
+            f"trainingModel(optimizer={optimizer!r}): expected a torch.optim.Optimizer (or an "
+            "ipukit.optim one) built over the model's parameters, e.g. "
+            "ipukit.optim.SGD(model.parameters(), lr=0.01).")
+    mine = {id(p) for p in model.parameters()}
+    if mine and not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        raise OptionsError(
+            f"trainingModel(optimizer={type(optimizer).__name__}(...)): the optimizer updates "
+            f"none of {type(model).__name__}'s parameters (it was built over another module's), "
+            "so training would change nothing. Build it over this model: "
+            f"{type(optimizer).__name__}(model.parameters(), ...).")
+
+
+def _check_batching_values(opts: Options) -> None:
+    """Options set by direct assignment skip the setters' checks; check them once here."""
+    for name, value in (("deviceIterations", opts.device_iterations),
+                        ("replicationFactor", opts.replication_factor),
+                        ("Training.gradientAccumulation", opts.Training.gradient_accumulation)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OptionsError(f"Options.{name} is {value!r}: it must be an int >= 1. Set it "
+                               f"with the setter, e.g. Options().{name}(1).")
+
+
+def _check_inputs(names: List[str], flat: List[Any]) -> None:
+    """Inputs a model cannot run on, said before tracing trips over them."""
+    for name, v in zip(names, flat):
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            raise InputShapeError(f"Input {name!r} is on the meta device (a shape without "
+                                  "data): pass real tensors, e.g. torch.zeros(shape).")
+
+
+def _dtype_hint(names: List[str], flat: List[Any], model: torch.nn.Module) -> str:
+    dtypes = ", ".join(f"{n}={v.dtype}" for n, v in zip(names, flat) if isinstance(v, torch.Tensor))
+    param = next((p.dtype for p in model.parameters()), None)
+    return (f"The inputs are {dtypes} and the model's parameters {param}: convert inputs the "
+            "layers read to the parameters' type (e.g. data.float()); class labels stay integer.")
+
+
+def _cast_doubles(flat: List[Any]) -> List[Any]:
+    """PopTorch ran no float64: double inputs become float32, as PopTorch converted them."""
+    return [v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.float64 else v
+            for v in flat]
+
+
 class PoplarExecutor:
     """A model wrapped for ipukit: call it like the module it wraps.
 
@@ -126,6 +186,8 @@ class PoplarExecutor:
                 raise OptionsError("An inference model takes no optimizer.")
         elif optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        else:
+            _check_optimizer(optimizer, model)
         opts._freeze()
         d = self.__dict__
         d["_user_model"] = model
@@ -142,9 +204,11 @@ class PoplarExecutor:
         d["_input_names"] = None
         d["_shapes"] = None
         d["_output_mode"] = None
+        d["_keep_rows"] = None
         d["_anchored"] = {}
         d["_compile_seconds"] = 0.0
         d["_positional_specs"] = {}
+        d["_destroyed"] = False
         if training:
             _TRAINING_WRAPPERS[model] = weakref.ref(self)
 
@@ -161,6 +225,15 @@ class PoplarExecutor:
             self.__dict__[name] = value
         else:
             setattr(self._user_model, name, value)
+
+    def _not_copyable(self, *args):
+        raise UnsupportedError(
+            "An ipukit model wrapper cannot be copied, pickled or saved (neither could "
+            "PopTorch's). Save or copy the wrapped module instead — "
+            "torch.save(model.model.state_dict(), path) or copy.deepcopy(model.model) — and "
+            "wrap the copy with ipukit.trainingModel/inferenceModel.")
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = __getstate__ = _not_copyable
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
@@ -189,6 +262,8 @@ class PoplarExecutor:
 
     def compile(self, *args, **kwargs) -> None:
         """Trace and partition the model for these inputs without running it."""
+        if self._destroyed:
+            raise ModelStateError(_DESTROYED)
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._compile(flat, spec, args, kwargs)
 
@@ -197,8 +272,15 @@ class PoplarExecutor:
         for hook in list(_PRE_COMPILE_HOOKS.values()):
             hook()
         opts = self._options
+        _check_batching_values(opts)
         batching = self._batching()
         names = _input_names(self._user_model, args, kwargs)
+        _check_inputs(names, flat)
+        if self._training and not any(p.requires_grad for p in self._user_model.parameters()):
+            raise ModelStateError(
+                f"trainingModel({type(self._user_model).__name__}): the model has no trainable "
+                "parameters, so there is nothing to train. Use ipukit.inferenceModel to run it, "
+                "or give it parameters (requires_grad=True).")
         micro = microbatch.split(flat, batching, names)
         mode = microbatch.resolve_output_mode(opts.output_mode, self._training)
         microbatch.check_period(mode, opts.output_return_period, batching)
@@ -206,7 +288,12 @@ class PoplarExecutor:
         if opts.random_seed is not None:
             torch.manual_seed(opts.random_seed)
         strategy = opts.execution_strategy
-        part = self._partition(micro[0], spec, strategy)
+        try:
+            part = self._partition(micro[0], spec, strategy)
+        except TracingError as exc:
+            if "dtype" not in str(exc):
+                raise
+            raise InputShapeError(f"{exc}\n{_dtype_hint(names, flat, self._user_model)}") from exc
         n = part.num_stages
         self._check_stage_counts(n, strategy)
         if self._training and part.loss_output is None:
@@ -236,6 +323,7 @@ class PoplarExecutor:
         self._signature = (spec, _signature(flat, batching.factor))
         self._shapes = [(v.shape, v.dtype) if isinstance(v, torch.Tensor) else None for v in flat]
         self._output_mode = mode
+        self._keep_rows = microbatch.kept_rows(mode, opts.output_return_period, batching)
         self._input_names = names
         self._attached = True
         self._compile_seconds = time.perf_counter() - started
@@ -307,7 +395,12 @@ class PoplarExecutor:
 
     def __call__(self, *args, **kwargs):
         t_call = time.perf_counter()
+        if self._destroyed:
+            raise ModelStateError(_DESTROYED)
         flat, spec = self._flatten(args, kwargs)
+        if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in flat):
+            flat = _cast_doubles(flat)
+        _warn_other_loader(flat, self)
         if self._plan is None:
             self._compile(flat, spec, args, kwargs)
             t_call = time.perf_counter()
@@ -320,19 +413,19 @@ class PoplarExecutor:
         micro = microbatch.split(flat, batching, self._input_names)
         plan = self._plan
         plan.prepare_replicas(batching.replicas)
-        snapshot = StateSnapshot(self._user_model, self._optimizer,
-                                 weights=self._training and batching.device_iterations > 1)
+        snapshot = StateSnapshot(self._user_model, self._optimizer, weights=self._training)
         recorder = self._anchor_recorder(batching)
         runner = CallRunner(plan, self._schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,
-                            anchors=recorder)
+                            anchors=recorder, keep_rows=self._keep_rows)
         t_run = time.perf_counter()
         try:
-            with running_on_ipu():
-                runner.run()
-        except BaseException:
-            snapshot.restore()
-            raise
+            runner.run(snapshot)
+        except RuntimeError as exc:
+            if self._calls or "dtype" not in str(exc) or isinstance(exc, Error):
+                raise
+            raise InputShapeError(f"{exc}\n{_dtype_hint(self._input_names, flat, self._user_model)}"
+                                  ) from exc
         t_gather = time.perf_counter()
         part = plan.partition
         rows = runner.results
@@ -499,7 +592,12 @@ class PoplarExecutor:
         self._optimizer = optimizer
 
     def destroy(self) -> None:
-        """Forget the compiled model and unwrap the module (it can be wrapped again)."""
+        """Forget the compiled model and unwrap the module (it can be wrapped again).
+
+        A destroyed wrapper no longer runs: calling it is an error, so two
+        training wrappers of one module can never both train.
+        """
+        self._destroyed = True
         self._plan = None
         self._schedule = None
         self._signature = None
@@ -537,6 +635,22 @@ def registerPreCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
 def registerPostCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
     """Call ``hook()`` after any model is compiled; ``handle.remove()`` undoes it."""
     return _register(_POST_COMPILE_HOOKS, hook)
+
+
+def _warn_other_loader(flat, model: "PoplarExecutor") -> None:
+    """A batch from an ipukit.DataLoader built for other Options changes the micro-batch size."""
+    first = flat[0] if flat else None
+    factor = getattr(first, "_ipukit_combined_factor", None)
+    if factor is None or factor == model._batching().factor or model.__dict__.get("_loader_warned"):
+        return
+    model.__dict__["_loader_warned"] = True
+    warnings.warn(
+        f"ipukit: this batch comes from an ipukit.DataLoader built for Options with "
+        f"{factor} micro-batches per call, but the model's Options take "
+        f"{model._batching().factor} (deviceIterations × replicationFactor × "
+        "gradientAccumulation), so each micro-batch holds a different number of samples than "
+        "the DataLoader's batch_size. Build the DataLoader with the model's options "
+        "(model.options).", stacklevel=3)
 
 
 def _unwrap(model):

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from . import blocks as _blocks
 from .errors import BlockError, PipelineConfigError, TracingError
-from .ops import LossMarks
+from .ops import LossMarks, running_on_ipu
 from .strategies import PipelinedExecution, ShardedExecution
 
 
@@ -69,6 +69,7 @@ class Partition:
     out_spec: Any                    # pytree spec of the model's output
     loss_output: Optional[int]       # index into ``outputs`` of the loss
     traced: bool
+    loss_marked: bool = False        # the loss went through identity_loss (any shape allowed)
 
     @property
     def num_stages(self) -> int:
@@ -191,14 +192,43 @@ def _own_error(exc: BaseException) -> Optional[BaseException]:
     return None
 
 
-def _loss_index(flat_model: _FlatModel, marks: LossMarks) -> Optional[int]:
-    """The loss is the output passed through identity_loss, else the last tensor output."""
-    tensor_leaves = [v for v in flat_model.out_leaves if isinstance(v, torch.Tensor)]
+def _loss_index(flat_model: _FlatModel, marks: LossMarks) -> Tuple[Optional[int], bool]:
+    """(tensor position of the loss, whether identity_loss marked it).
+
+    The loss is the output passed through identity_loss; else an output named
+    ``loss`` (a dict's or a Hugging Face ``ModelOutput``'s ``"loss"`` entry);
+    else the last tensor output (PopTorch's ``return output, loss``).
+    """
+    leaves = flat_model.out_leaves
+    tensor_leaves = [v for v in leaves if isinstance(v, torch.Tensor)]
     for marked in reversed(marks.tensors):
         for i, leaf in enumerate(tensor_leaves):
             if leaf is marked:
-                return i
-    return len(tensor_leaves) - 1 if tensor_leaves else None
+                return i, True
+    named = _named_loss(leaves, flat_model.out_spec)
+    if named is not None:
+        return named, False
+    return (len(tensor_leaves) - 1 if tensor_leaves else None), False
+
+
+def _named_loss(leaves, spec) -> Optional[int]:
+    """The tensor position of an output whose key or attribute is ``loss``, if any."""
+    if spec is None:
+        return None
+    try:
+        paths = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(leaves), spec))[0]
+    except Exception:  # noqa: BLE001 - an output pytree cannot rebuild: no named loss
+        return None
+    position = -1
+    for path, leaf in paths:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        position += 1
+        last = path[-1] if path else None
+        name = getattr(last, "key", getattr(last, "name", None))
+        if name == "loss":
+            return position
+    return None
 
 
 def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
@@ -265,7 +295,7 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
     marks = LossMarks()
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with marks, _OutsideBlockWatch(recorder), warnings.catch_warnings():
+        with marks, _OutsideBlockWatch(recorder), warnings.catch_warnings(), running_on_ipu():
             warnings.simplefilter("ignore")
             pipe = pipeline(flat_model, mb_args=tensors)
     except (BlockError, PipelineConfigError):
@@ -289,11 +319,11 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
                     buf.copy_(buffers[name])
 
     _validate(recorder, strategy, begins)
-    loss = _loss_index(flat_model, marks)
+    loss, marked = _loss_index(flat_model, marks)
     out_leaves = flat_model.out_leaves
     if len(recorder.segments) <= 1:
         return eager(model, flat_inputs, in_spec, out_spec=flat_model.out_spec,
-                     out_leaves=out_leaves, loss=loss,
+                     out_leaves=out_leaves, loss=loss, loss_marked=marked,
                      ipu=recorder.segments[0].ipu if recorder.segments else 0,
                      blocks=recorder.segments[0].blocks if recorder.segments else [])
     if pipe.num_stages != len(recorder.segments):
@@ -302,7 +332,9 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
             f"{len(recorder.segments)} stages; this usually means a Block boundary falls "
             "inside a function the tracer inlines differently. Move the Block boundaries "
             "to module boundaries.")
-    return _from_split_graph(pipe, recorder, flat_model, out_leaves, loss)
+    part = _from_split_graph(pipe, recorder, flat_model, out_leaves, loss)
+    part.loss_marked = marked
+    return part
 
 
 def _fast(module: torch.nn.Module) -> torch.nn.Module:
@@ -378,7 +410,7 @@ def _tensor_position_to_leaf(out_leaves, tensor_index: Optional[int]) -> Optiona
 
 def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
           out_leaves=None, loss: Optional[int] = None, ipu: int = 0,
-          blocks: Optional[List[str]] = None) -> Partition:
+          blocks: Optional[List[str]] = None, loss_marked: bool = False) -> Partition:
     """A one-stage partition that runs the user's model eagerly (no trace)."""
     flat_model = _FlatModel(model, in_spec, flat_inputs)
     n_tensors = sum(isinstance(v, torch.Tensor) for v in flat_inputs)
@@ -386,9 +418,9 @@ def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
                         args=[Ref("input", i) for i in range(n_tensors)], tuple_output=True,
                         parameters=list(model.parameters()))
     part = Partition(stages=[stage], outputs=[], out_spec=out_spec, loss_output=None,
-                     traced=False)
+                     traced=False, loss_marked=loss_marked)
     if out_leaves is not None:
-        _SEEN[id(flat_model)] = {"spec": out_spec, "leaves": list(out_leaves)}
+        _SEEN[flat_model._key] = {"spec": out_spec, "leaves": list(out_leaves)}
         _set_eager_outputs(part, out_leaves, loss)
         flat_model.use_fast_outputs()
     return part
@@ -416,7 +448,7 @@ def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
     state = {n: b.detach().clone() for n, b in flat_model.named_buffers()}
     rng = torch.get_rng_state()
     try:
-        with marks, torch.no_grad():
+        with marks, torch.no_grad(), running_on_ipu():
             flat_model(*[v for v in flat_inputs if isinstance(v, torch.Tensor)])
     finally:
         torch.set_rng_state(rng)
@@ -424,7 +456,8 @@ def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
             for n, b in flat_model.named_buffers():
                 b.copy_(state[n])
     part.out_spec = flat_model.out_spec
-    _set_eager_outputs(part, flat_model.out_leaves, _loss_index(flat_model, marks))
+    loss, part.loss_marked = _loss_index(flat_model, marks)
+    _set_eager_outputs(part, flat_model.out_leaves, loss)
     flat_model.use_fast_outputs()
 
 

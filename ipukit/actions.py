@@ -1,0 +1,185 @@
+"""The work of one action: a stage's forward or backward of one micro-batch.
+
+Forwards take their inputs from the model's inputs or from earlier stages'
+mailboxes and publish their outputs to later stages; backwards take the
+gradients later stages sent back, run ``torch.autograd.grad`` over this stage
+only, add the parameter gradients to the stage's own accumulator, and send the
+input gradients on. Each returns the span it measured: from "inputs all
+received" to "outputs computed", so waiting for another stage is never counted
+as work.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import LossError
+from .schedule import BACKWARD, FORWARD, Action
+from .timeline import Event, KIND_NAMES
+from .update import LOW_PRECISION
+from .workers import Aborted
+
+
+class ActionRunner:
+    """Runs actions of one call; shared by every worker of the call."""
+
+    def __init__(self, plan, micro_batches: int, micro_inputs: List[list], replicas: int,
+                 exchange, results: List[list], accumulators: dict, loss_scaling: float,
+                 float32_accumulation: bool, anchors=None, keep_rows=None) -> None:
+        self.plan = plan
+        self.micro_batches = micro_batches
+        self.micro_inputs = micro_inputs
+        self.replicas = replicas
+        self.exchange = exchange
+        self.results = results
+        self.accumulators = accumulators
+        self.loss_scaling = loss_scaling
+        self.float32_accumulation = float32_accumulation
+        self.anchors = anchors
+        self.keep_rows = keep_rows  # micro-batch rows whose outputs the output mode returns
+
+    def index(self, a: Action, replica: int) -> int:
+        """The micro-batch's row in the call's combined batch."""
+        return (a.iteration * self.micro_batches + a.micro_batch) * self.replicas + replica
+
+    def forward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        plan = self.plan
+        stage = plan.partition.stages[a.stage]
+        device = plan.device_of(a.stage)
+        k = self.index(a, replica)
+        inputs = self.micro_inputs[k]
+        args = []
+        for pos, ref in enumerate(stage.args):
+            if ref.kind == "input":
+                v = inputs[plan.tensor_inputs[ref.index]]
+                if v.device != device:
+                    v = v.to(device)
+            elif ref.kind == "stage":
+                v = self.exchange.take(("A", a.stage, pos, a.iteration, a.micro_batch, replica))
+                if isinstance(v, torch.Tensor):
+                    needs_grad = plan.training and v.requires_grad
+                    v = v.detach()
+                    if v.device != device:
+                        v = v.to(device)
+                    if needs_grad:
+                        v.requires_grad_()
+            else:
+                v = ref.value
+            args.append(v)
+        ready = time.perf_counter()
+        out = plan.module_for(a.stage, replica)(*args)
+        outs = out if stage.tuple_output else (out,)
+        if self.keep_rows is None or k in self.keep_rows:
+            row = self.results[k]
+            for j, item in plan.host_outputs[a.stage]:
+                v = outs[item]
+                row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+        if plan.training:
+            stash[(a.stage, a.iteration, a.micro_batch)] = (args, outs)
+        if device.type == "cuda" and plan.record:
+            torch.cuda.synchronize(device)  # GPU work is asynchronous: time the work, not the launch
+        end = time.perf_counter()  # before publishing: a consumer never starts before this
+        for consumer, pos, item in plan.consumers[a.stage]:
+            self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
+        return ready, end
+
+    def _loss_seed(self, outs) -> Optional[torch.Tensor]:
+        plan = self.plan
+        loss = outs[plan.loss_item]
+        if not loss.requires_grad:
+            return None
+        if loss.dim() > 0 and not plan.partition.loss_marked:
+            raise LossError(
+                f"The loss (the model's output used as loss, shape {list(loss.shape)}) is not "
+                "a scalar, so there is no single number to minimise. Reduce it (e.g. "
+                "loss.mean()), or mark the loss with ipukit.identity_loss(loss, reduction="
+                "'mean'|'sum'|'none'); a training model must return its loss (PopTorch's rule: "
+                "'return output, loss').")
+        return loss
+
+    def backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        plan = self.plan
+        s = a.stage
+        args, outs = stash.pop((s, a.iteration, a.micro_batch))
+        incoming: Dict[int, torch.Tensor] = {}
+        for consumer, pos, item in plan.consumers[s]:
+            src = outs[item]
+            if isinstance(src, torch.Tensor) and src.requires_grad:
+                g = self.exchange.take(("G", s, consumer, pos, a.iteration, a.micro_batch, replica))
+                if g is not None:
+                    if g.device != src.device:  # the consumer ran on another device
+                        g = g.to(src.device)
+                    incoming[item] = incoming[item] + g if item in incoming else g
+        ready = time.perf_counter()
+        seeds = [outs[i] for i in incoming]
+        grads = [incoming[i] for i in incoming]
+        if s == plan.loss_stage:
+            loss = self._loss_seed(outs)
+            if loss is not None:
+                seeds.append(loss)
+                # loss scaling (PopTorch's optimiser argument): scaled here, unscaled at the step
+                grads.append(torch.full_like(loss, self.loss_scaling))
+        diff_inputs = [(pos, v) for pos, v in enumerate(args)
+                       if isinstance(v, torch.Tensor) and v.requires_grad]
+        params = plan.trainable[s]
+        targets = [v for _, v in diff_inputs] + params
+        if seeds and targets:
+            result = torch.autograd.grad(seeds, targets, grads, allow_unused=True)
+        else:
+            result = [None] * len(targets)
+        self._accumulate(a, replica, params, result[len(diff_inputs):])
+        if plan.record and params and params[0].device.type == "cuda":
+            torch.cuda.synchronize(params[0].device)
+        end = time.perf_counter()
+        stage_args = plan.partition.stages[s].args
+        for (pos, _), g in zip(diff_inputs, result):
+            ref = stage_args[pos]
+            if ref.kind == "stage":
+                self.exchange.put(("G", ref.index, s, pos, a.iteration, a.micro_batch, replica), g)
+        return ready, end
+
+    def _accumulate(self, a: Action, replica: int, params, grads: Sequence) -> None:
+        acc = self.accumulators[(replica, a.stage)]
+        for i, g in enumerate(grads):
+            if self.anchors is not None:  # before accumulation changes g in place
+                self.anchors.gradient(self.index(a, replica), a.stage, i, params[i], g)
+            if g is None:
+                continue
+            if self.float32_accumulation and g.dtype in LOW_PRECISION:
+                g = g.float()  # accumulate half-precision gradients in float32
+            if acc[i] is None:
+                acc[i] = g
+            else:
+                acc[i].add_(g)
+
+    def run(self, actions: Sequence[Action], replica: int, stash: dict, events: List[Event],
+            t0: float, call_index: int) -> None:
+        """Run ``actions`` in order (steps are the host's, skipped here); record their spans."""
+        record = self.plan.record
+        ipus = self.plan.stage_ipus
+        exchange = self.exchange
+        forward, backward = self.forward, self.backward
+        for a in actions:
+            if exchange.aborted:
+                raise Aborted()
+            kind = a.kind
+            try:
+                if kind == FORWARD:
+                    start, end = forward(a, replica, stash)
+                elif kind == BACKWARD:
+                    start, end = backward(a, replica, stash)
+                else:
+                    continue
+            except (Aborted, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"(ipukit: raised by virtual IPU {ipus[a.stage]}, replica "
+                                 f"{replica}, running {a} — {KIND_NAMES[kind]} of micro-batch "
+                                 f"{a.micro_batch} on stage {a.stage}, iteration {a.iteration})")
+                raise
+            if record:
+                events.append(Event(a.stage, KIND_NAMES[kind], a.micro_batch, start - t0,
+                                    end - t0, ipus[a.stage], replica, a.iteration, call_index))
