@@ -138,6 +138,7 @@ def test_fit_gives_the_weights_of_the_same_ipukit_training():
     assert t.global_step == 2 * 4 * 2          # epochs × calls × device iterations
     mine, theirs = weights(lm), weights(direct)
     diff = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    print(f"largest weight difference, Lightning vs ipukit directly: {diff:.3g}")
     assert diff <= 1e-6, diff
     state = t.optimizers[0].state_dict()["state"]
     for i, p in enumerate(direct.parameters()):
@@ -311,6 +312,41 @@ def test_half_precision_on_a_float32_model(precision):
     assert lm.l1.weight.dtype == dtype
     assert all(torch.isfinite(p).all() for p in lm.parameters())
     assert t.global_step == 12
+
+
+def test_16_mixed_rounds_float_inputs_to_half_and_keeps_the_models_dtype():
+    seen = []
+
+    class Seeing(Small):
+        def training_step(self, batch, batch_idx):
+            seen.append(batch[0].detach().clone())
+            return super().training_step(batch, batch_idx)
+
+    t = trainer(accelerator="ipu", max_epochs=1, precision="16-mixed")
+    t.fit(Seeing(), torch.utils.data.DataLoader(data(), batch_size=4))
+    seen = seen[1:]                    # the first call traced the step
+    assert len(seen) == 12 and all(x.dtype == torch.float32 for x in seen)
+    assert all(torch.equal(x, x.half().float()) for x in seen)
+    assert not torch.equal(data().tensors[0], data().tensors[0].half().float())
+
+
+def test_replicas_of_a_single_stage_model_with_buffers_and_self_log():
+    class Normed(Small):
+        def __init__(self):
+            super().__init__(log=True)
+            self.norm = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return super().forward(self.norm(x))
+
+    lm = Normed()
+    t = trainer(accelerator="ipu", devices=2, max_epochs=1, num_sanity_val_steps=2,
+                strategy=IPUStrategy(device_iterations=2))
+    t.fit(lm, torch.utils.data.DataLoader(data(), batch_size=2),
+          torch.utils.data.DataLoader(data(n=16), batch_size=2))
+    assert t.global_step == 12 and lm.norm.num_batches_tracked.item() == 12
+    assert {"train_loss", "val_correct"} <= set(t.callback_metrics)
+    assert t.strategy.timeline("train").meta["replicas"] == 2
 
 
 def test_a_half_model_takes_float32_batches():
@@ -515,7 +551,6 @@ def test_lightning_mnist_reaches_the_tutorials_bar(data_root):
     t = trainer(accelerator="ipu", max_epochs=2, accumulate_grad_batches=10,
                 strategy=IPUStrategy(device_iterations=10))
     t.fit(lm, train)
-    t.strategy.device_iterations = 100
     t2 = trainer(accelerator="ipu", strategy=IPUStrategy(device_iterations=100))
     t2.test(lm, test)
     accuracy = 100.0 * lm.correct / lm.total
