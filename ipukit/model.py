@@ -184,6 +184,11 @@ class PoplarExecutor:
                 raise PipelineConfigError(msg)
             if optimizer is not None:
                 raise OptionsError("An inference model takes no optimizer.")
+        elif not any(p.requires_grad for p in model.parameters()):
+            raise ModelStateError(
+                f"trainingModel({type(model).__name__}): the model has no trainable "
+                "parameters, so there is nothing to train. Use ipukit.inferenceModel to run it, "
+                "or give it parameters (requires_grad=True).")
         elif optimizer is None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         else:
@@ -276,11 +281,6 @@ class PoplarExecutor:
         batching = self._batching()
         names = _input_names(self._user_model, args, kwargs)
         _check_inputs(names, flat)
-        if self._training and not any(p.requires_grad for p in self._user_model.parameters()):
-            raise ModelStateError(
-                f"trainingModel({type(self._user_model).__name__}): the model has no trainable "
-                "parameters, so there is nothing to train. Use ipukit.inferenceModel to run it, "
-                "or give it parameters (requires_grad=True).")
         micro = microbatch.split(flat, batching, names)
         mode = microbatch.resolve_output_mode(opts.output_mode, self._training)
         microbatch.check_period(mode, opts.output_return_period, batching)

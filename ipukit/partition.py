@@ -70,6 +70,7 @@ class Partition:
     loss_output: Optional[int]       # index into ``outputs`` of the loss
     traced: bool
     loss_marked: bool = False        # the loss went through identity_loss (any shape allowed)
+    mutated_inputs: frozenset = frozenset()  # tensor inputs the model changes in place
 
     @property
     def num_stages(self) -> int:
@@ -322,10 +323,12 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
     loss, marked = _loss_index(flat_model, marks)
     out_leaves = flat_model.out_leaves
     if len(recorder.segments) <= 1:
-        return eager(model, flat_inputs, in_spec, out_spec=flat_model.out_spec,
+        part = eager(model, flat_inputs, in_spec, out_spec=flat_model.out_spec,
                      out_leaves=out_leaves, loss=loss, loss_marked=marked,
                      ipu=recorder.segments[0].ipu if recorder.segments else 0,
                      blocks=recorder.segments[0].blocks if recorder.segments else [])
+        part.mutated_inputs = _mutated_inputs(pipe.split_gm)
+        return part
     if pipe.num_stages != len(recorder.segments):
         raise TracingError(
             f"The trace has {pipe.num_stages} pieces but the blocks define "
@@ -334,7 +337,31 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
             "to module boundaries.")
     part = _from_split_graph(pipe, recorder, flat_model, out_leaves, loss)
     part.loss_marked = marked
+    part.mutated_inputs = _mutated_inputs(pipe.split_gm)
     return part
+
+
+def _mutated_inputs(split_gm: torch.nn.Module) -> frozenset:
+    """Indices of the tensor inputs that an in-place op in the trace writes to.
+
+    Micro-batches are views of the caller's batch and share its version
+    counter, so an in-place change to one (``x.mul_(2)``) would invalidate the
+    others saved for backward; the executor gives such inputs their own copy.
+    """
+    found = set()
+    for module in split_gm.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            schema = getattr(node.target, "_schema", None)
+            if node.op != "call_function" or schema is None or not schema.is_mutable or not node.args:
+                continue
+            first = node.args[0]
+            name = getattr(first, "target", "")
+            if getattr(first, "op", None) == "placeholder" and str(name).startswith("tensors_"):
+                found.add(int(str(name).rsplit("_", 1)[1]))
+    return frozenset(found)
 
 
 def _fast(module: torch.nn.Module) -> torch.nn.Module:
