@@ -81,6 +81,13 @@ class DataLoader(torch.utils.data.DataLoader):
                           f"Consider num_workers={cores}.", stacklevel=2)
         if persistent_workers is None:
             persistent_workers = num_workers > 0
+        if options.Distributed.numProcesses > 1:  # a launched run: this process's share
+            from .distributed.data import process_batches
+
+            self._combined_batch_size, sampler = process_batches(
+                options, dataset, batch_size, shuffle, auto_distributed_partitioning)
+            if sampler is not None:
+                kwargs["sampler"], shuffle = sampler, False
         _warn_incomplete_last_batch(dataset, self._combined_batch_size, drop_last)
         super().__init__(dataset, batch_size=self._combined_batch_size,
                          shuffle=bool(shuffle), num_workers=num_workers, drop_last=drop_last,

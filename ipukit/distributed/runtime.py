@@ -670,8 +670,10 @@ def maybe_run(model, args: tuple, kwargs: dict):
         if _is_comm_error(exc):
             cause = _peer_failure()
             if cause is not None and not cause.startswith(f"rank {opts.Distributed.processId}:"):
-                err = DistributedError(f"ipukit: process {cause.split(':', 1)[0].split()[-1]} "
-                                       f"failed, so this run stopped: {cause}")
+                who, _, what = cause.partition(": ")
+                err = DistributedError(f"ipukit: {who.replace('rank', 'process')} failed "
+                                       f"({what}), so process {opts.Distributed.processId} "
+                                       "stopped too; see that process's error above.")
                 err._peer = True
                 raise err from exc
         rank = opts.Distributed.processId

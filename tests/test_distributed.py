@@ -1,0 +1,261 @@
+"""Stages as processes: ipukit-run (torchrun, gloo) against the threaded executor.
+
+Each scenario is one launch (15–30 s, mostly importing torch in every process);
+tests/distributed_worker.py runs several checks inside it and writes what it
+found per rank. Checks: weights, per-micro-batch losses and outputs (All, Final,
+Sum) equal to the same model on threads; one timeline track per (replica,
+virtual IPU) with non-overlapping spans; a raising process ends the run.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ipukit
+import ipukit.distributed as ipd
+from ipukit.distributed import run as ipukit_run
+from ipukit.distributed.runtime import DistributedError
+from ipukit.errors import OptionsError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "distributed_worker.py")
+
+
+def launch(tmp_path, nproc, scenario, timeout=240):
+    out = tmp_path / scenario
+    out.mkdir()
+    env = dict(os.environ, IPUKIT_TEST_OUT=str(out), IPUKIT_DIST_TIMEOUT="60")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", str(nproc),
+                           WORKER, scenario], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    seconds = time.monotonic() - started
+    proc.out_dir = out
+    results = {}
+    for r in range(nproc):
+        path = out / f"rank{r}.json"
+        if path.exists():
+            results[r] = json.loads(path.read_text())
+    return proc, results, seconds
+
+
+@pytest.fixture(scope="module")
+def pp2_launch(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("pp2"), 2, "pp2")
+
+
+@pytest.fixture(scope="module")
+def pp2(pp2_launch):
+    proc, results, _ = pp2_launch
+    assert sorted(results) == [0, 1], proc.stderr[-3000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def dp2pp2(tmp_path_factory):
+    proc, results, _ = launch(tmp_path_factory.mktemp("dp2pp2"), 4, "dp2pp2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+CASES = ["all", "final", "sum", "gpipe", "four_stages"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_match_threads(pp2, case):
+    for rank in (0, 1):
+        r = pp2[rank][case]
+        assert r["weights"] == 0.0, (rank, r)
+        assert r["losses"] == 0.0 and r["outputs"] == 0.0, (rank, r)
+        for d_out, d_loss, t_out, t_loss in r["shapes"]:
+            assert d_out == t_out and d_loss == t_loss
+
+
+@pytest.mark.parametrize("case", ["all", "final", "sum"])
+def test_two_replicas_of_two_stages_match_threads(dp2pp2, case):
+    # the gradient all-reduce over 2 replicas adds the same 2 numbers as the threaded step
+    for rank in range(4):
+        r = dp2pp2[rank][case]
+        assert r["weights"] < 1e-6 and r["buffers"] < 1e-6, (rank, r)
+        assert r["losses"] < 1e-6 and r["outputs"] < 1e-6, (rank, r)
+
+
+def test_inference_matches_threads(pp2, dp2pp2):
+    for results in (pp2, dp2pp2):
+        for r in results.values():
+            assert r["inference"]["outputs"] == 0.0
+
+
+def test_gathered_timeline_has_a_track_per_replica_and_ipu(pp2, dp2pp2):
+    for results, tracks in ((pp2, ["0/0", "0/1"]), (dp2pp2, ["0/0", "0/1", "1/0", "1/1"])):
+        r = results[0]["all"]
+        assert r["tracks"] == tracks
+        assert r["overlaps"] == 0
+        # the last call: DI 2 × GA 4 micro-batches, a forward and a backward each
+        assert set(r["spans"].values()) == {16}
+    four = pp2[0]["four_stages"]  # two stages per process: spans of both on one track
+    assert four["tracks"] == ["0/0", "0/1"] and four["overlaps"] == 0
+    assert set(four["spans"].values()) == {64}
+
+
+def test_wrong_process_count_and_mismatch_are_clear_errors(pp2):
+    for r in pp2.values():
+        assert "runs as 4 processes" in r["wrong_count"] and "--nproc 4" in r["wrong_count"]
+        assert "process 1 compiled a different model" in r["mismatch"]
+        assert "inputs differ" in r["mismatch"]
+
+
+def test_a_raising_process_ends_the_run(pp2_launch):
+    # the pp2 launch ends with rank 1 raising inside a call (its optimiser's third step)
+    proc, results, seconds = pp2_launch
+    assert all(r["fails_next"] for r in results.values())
+    assert proc.returncode != 0
+    assert "ipukit-run: process 1 failed first" in proc.stderr
+    assert "boom from the optimiser on rank 1" in proc.stderr
+    assert seconds < 230  # ended by the failure, not by the test's timeout
+    note = proc.out_dir / "rank0-stopped.txt"  # unless torchrun stopped rank 0 first
+    if note.exists():
+        assert "process 1 failed (ValueError: boom" in note.read_text()
+
+
+# -- no launch needed -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "0", "x.py"], "--nproc '0': expected an int >= 1"),
+    (["--nproc", "two", "x.py"], "expected an int >= 1"),
+    (["--nproc", "2", "missing_script.py"], "script 'missing_script.py' not found"),
+    (["--nproc", "2"], "give the script to run"),
+])
+def test_launcher_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        ipukit_run.build_command(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_launcher_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    cmd, env = ipukit_run.build_command(["-n", "4", str(script), "--epochs", "1"])
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    assert cmd[5] == "4" and cmd[-3:] == [str(script), "--epochs", "1"]
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["OMP_NUM_THREADS"] == "1"
+    cmd, _ = ipukit_run.build_command(["-n", "2", "-m", "ipukit.examples.mnist_pipeline"])
+    assert cmd[-2:] == ["-m", "ipukit.examples.mnist_pipeline"]
+
+
+def test_options_distributed_reads_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    o = ipukit.Options()
+    assert (o.Distributed.numProcesses, o.Distributed.processId) == (4, 3)
+    assert ipd.is_active(o)
+    o.Distributed.disable()
+    assert not ipd.is_active(o)
+    monkeypatch.setenv("MY_SIZE", "2")
+    monkeypatch.setenv("MY_ID", "1")
+    o = ipukit.Options()
+    o.Distributed.setEnvVarNames("MY_SIZE", "MY_ID")
+    assert (o.Distributed.numProcesses, o.Distributed.processId) == (2, 1)
+    assert ipd.getNumProcesses() == 4 and ipd.getProcessIndex() == 3
+    assert ipd.getNumInstances(ipus_per_replica=2) == 2
+    assert ipd.getInstanceIndex(ipus_per_replica=2) == 1
+    assert ipd.getNumTotalReplicas(ipus_per_replica=2) == 2
+    opts = ipd.Options(ipus_per_replica=2)
+    assert opts.replication_factor == 2 and opts.Distributed.processId == 3
+    with pytest.raises(DistributedError, match="cannot be split into replicas of 3"):
+        ipd.getNumInstances(ipus_per_replica=3)
+
+
+def test_options_distributed_bad_values(monkeypatch):
+    with pytest.raises(OptionsError, match="process id 5 must be an int in 0..3"):
+        ipukit.Options().Distributed.configureProcessId(5, 4)
+    with pytest.raises(OptionsError, match="expected an int >= 1"):
+        ipukit.Options().Distributed.configureProcessId(0, 0)
+    monkeypatch.setenv("WORLD_SIZE", "many")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(OptionsError, match="must be integers"):
+        ipukit.Options()
+
+
+def test_not_launched_runs_on_threads():
+    from helpers import StackNet, make_data
+
+    o = ipukit.Options()
+    o.Training.gradientAccumulation(3)
+    model = ipd.trainingModel(StackNet(2), o)
+    x, y = make_data(6)
+    out, loss = model(x, y)
+    assert out.shape == (2, 4) and loss.dim() == 0
+    assert model._executor._plan is not None  # ran on the threaded executor
+
+
+def test_processes_configured_without_a_launcher_is_a_clear_error(monkeypatch):
+    from helpers import StackNet, make_data
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    o = ipukit.Options()
+    o.Training.gradientAccumulation(3)
+    o.Distributed.configureProcessId(0, 2)
+    model = ipd.trainingModel(StackNet(2), o)
+    x, y = make_data(6)
+    with pytest.raises(DistributedError, match="MASTER_ADDR is not set"):
+        model(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_two_stages_on_one_gpu_match_plain_pytorch():
+    from helpers import StackNet, make_data
+    import copy
+
+    torch.manual_seed(0)
+    net = StackNet(2).cuda()
+    ref = copy.deepcopy(net)
+    o = ipukit.Options().deviceMapping(["cuda:0"])
+    o.Training.gradientAccumulation(4)
+    model = ipukit.trainingModel(net, o, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = make_data(8)
+    model(x, y)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for xs, ys in zip(x.cuda().chunk(4), y.cuda().chunk(4)):
+        (ref(xs, ys)[1] / 4).backward()
+    opt.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    tl = model.getTimeline()
+    assert {e.ipu for e in tl.events if e.kind == "forward"} == {0, 1}
+
+
+def test_dataloader_gives_each_pipeline_the_same_batches_and_each_instance_its_share():
+    dataset = torch.utils.data.TensorDataset(torch.arange(100).float())
+
+    def passes(rank, world=4, replicas=2):
+        o = ipukit.Options().deviceIterations(2).replicationFactor(replicas).randomSeed(5)
+        o.Training.gradientAccumulation(3)
+        o.Distributed.configureProcessId(rank, world)
+        loader = ipukit.DataLoader(o, dataset, batch_size=2, shuffle=True)
+        assert loader.combinedBatchSize == 12  # one replica's: 2 × DI 2 × GA 3
+        return [[b[0].tolist() for b in loader] for _ in range(2)]
+
+    runs = [passes(r) for r in range(4)]
+    assert runs[0] == runs[1] and runs[2] == runs[3]      # the processes of one pipeline
+    for first, second in zip(runs[0], runs[2]):           # two instances: disjoint shares
+        assert len(first) == len(second) == 4             # 50 samples each → 4 batches of 12
+        assert not set(sum(first, [])) & set(sum(second, []))
+    assert runs[0][0] != runs[0][1]                       # each pass reshuffles
+    assert sorted(sum(runs[0][0], []))[0] >= 0
+
+
+def test_dataloader_share_too_small_is_a_clear_error():
+    o = ipukit.Options().replicationFactor(2)
+    o.Distributed.configureProcessId(0, 2)
+    with pytest.raises(DistributedError, match="fewer than one combined batch"):
+        ipukit.DataLoader(o, torch.utils.data.TensorDataset(torch.zeros(3)), batch_size=4)
