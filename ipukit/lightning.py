@@ -333,8 +333,6 @@ class IPUStrategy(ParallelStrategy):
                  precision_plugin: Optional[Precision] = None,
                  training_opts: Optional[Options] = None,
                  inference_opts: Optional[Options] = None) -> None:
-        if precision_plugin is not None and not isinstance(precision_plugin, IPUPrecision):
-            precision_plugin = IPUPrecision(getattr(precision_plugin, "precision", "32-true"))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -468,9 +466,6 @@ class IPUStrategy(ParallelStrategy):
                 f"Trainer(max_steps={max_steps}) is not a multiple of device_iterations ({di}): "
                 f"each ipukit call makes {di} optimiser steps, so training would stop at "
                 f"{-(-max_steps // di) * di}. Set max_steps to a multiple of {di}.")
-        if di > 1:
-            for config in trainer.lr_scheduler_configs or []:
-                pass  # schedulers are known only after setup_optimizers; checked in _step_schedulers
 
     def _options(self, stage: str, trainer) -> Options:
         training = stage == "train"
@@ -505,8 +500,6 @@ class IPUStrategy(ParallelStrategy):
                 opts.Training.gradientAccumulation(ga)
         if not opts.model_name:
             opts.modelName({"train": "training", "validate": "validation"}.get(stage, stage))
-        if self.autoreport:
-            pass  # written once per run by _write_report, not per call
         return opts
 
     @property

@@ -221,13 +221,23 @@ class BlockModule(BeginBlockModule):
         return x
 
 
+class StepBlockModule(BlockModule):
+    """Blocks in a step: the loss gets its own block on the last IPU."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        with poptorch.Block("loss", ipu_id=3):
+            return F.nll_loss(torch.log(out), y)
+
+
 def seed_data(n):
     g = torch.Generator().manual_seed(2)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
         torch.randn(n, 5, generator=g), torch.randint(0, 5, (n,), generator=g)), batch_size=2)
 
 
-@pytest.mark.parametrize("module", [BeginBlockModule, BlockModule])
+@pytest.mark.parametrize("module", [BeginBlockModule, BlockModule, StepBlockModule])
 def test_the_seed_docs_pipelined_modules_run_as_written(module):
     """devices=8 and device_iterations=20 scaled down to 2 replicas and 4 iterations; the
     pipelined training needs gradient accumulation ≥ 2·4 − 1 = 7."""
@@ -299,6 +309,20 @@ def test_validate_and_test_run_on_inference_models():
     out = t.validate(lm, torch.utils.data.DataLoader(data(n=16), batch_size=2))
     assert "val_correct" in out[0]
     assert t.strategy.model_for("validate").options.replication_factor == 2
+
+
+def test_each_validation_loader_gets_its_own_inference_model():
+    class Two(Small):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            x, y = batch
+            self.log(f"correct{dataloader_idx}", (self(x).argmax(-1) == y).float().sum(),
+                     add_dataloader_idx=False)
+
+    t = trainer(accelerator="ipu", devices=2)
+    t.validate(Two(), [torch.utils.data.DataLoader(data(n=16), batch_size=2),
+                       torch.utils.data.DataLoader(data(n=12), batch_size=3)])
+    assert {"correct0", "correct1"} <= set(t.callback_metrics)
+    assert [len(d) for d in t.val_dataloaders] == [4, 2]
 
 
 @pytest.mark.parametrize("precision", [16, "16-mixed", "16-true"])

@@ -18,7 +18,7 @@ def test_the_notebooks_exist():
     names = _ids(NOTEBOOKS)
     for expected in ("01_pipelining_walkthrough.ipynb", "02_pipeline_explorer.ipynb",
                      "04_running_poptorch_code.ipynb",
-                     "03_scripts_and_profiles.ipynb"):
+                     "03_scripts_and_profiles.ipynb", "05_lightning_on_ipukit.ipynb"):
         assert expected in names
 
 
