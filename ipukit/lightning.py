@@ -27,7 +27,6 @@ How a Lightning run maps onto ipukit:
 """
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 from typing import Any, Dict, List, Optional, Union
@@ -251,7 +250,10 @@ def _keep_last_block_open(rec) -> None:
     """Operations after the last ``with Block`` closed stay on that block's IPU.
 
     Lightning computes the loss in ``training_step`` after ``forward`` (whose blocks have
-    closed): as in PopTorch, those operations run on the IPU of the block before them.
+    closed), and the Lightning IPU docs' Blocks-in-``forward`` pattern relies on those
+    operations running on the IPU of the block before them. ipukit's core refuses operations
+    outside any block once a block closed; for Lightning steps they join the last block
+    (done by wrapping the trace's block recorder, the only core internal used here).
     """
     if getattr(rec, "_ipukit_lightning", False):
         return
@@ -269,7 +271,7 @@ def _keep_last_block_open(rec) -> None:
 
 def _guard_logging(module: "pl.LightningModule") -> Dict[str, Any]:
     """Wrap ``module.log``/``log_dict``: a no-op while ipukit traces the step (calls are
-    noted, see ``_check_traced_logging``); otherwise one thread at a time (replicas)."""
+    noted, see ``IPUStrategy._compile``); otherwise one thread at a time (replicas)."""
     originals = {}
     for name in ("log", "log_dict"):
         original = getattr(module, name)

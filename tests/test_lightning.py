@@ -18,7 +18,8 @@ from ipukit.lightning import (IPUAccelerator, IPUPrecision, IPUStrategy,  # noqa
 logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
 
 
 def trainer(**kwargs):
