@@ -27,7 +27,8 @@ class ActionRunner:
 
     def __init__(self, plan, micro_batches: int, micro_inputs: List[list], replicas: int,
                  exchange, results: List[list], accumulators: dict, loss_scaling: float,
-                 float32_accumulation: bool, anchors=None, keep_rows=None) -> None:
+                 float32_accumulation: bool, anchors=None, keep_rows=None,
+                 fused: bool = False) -> None:
         self.plan = plan
         self.micro_batches = micro_batches
         self.micro_inputs = micro_inputs
@@ -39,6 +40,11 @@ class ActionRunner:
         self.float32_accumulation = float32_accumulation
         self.anchors = anchors
         self.keep_rows = keep_rows  # micro-batch rows whose outputs the output mode returns
+        # One thread runs every stage of a micro-batch in turn (sharded): the stages'
+        # autograd graphs stay connected and one backward pass serves them all, as in
+        # a plain PyTorch loop; gradient hooks at stage boundaries time each stage.
+        self.fused = fused and plan.training
+        self._all_params = [p for params in plan.trainable for p in params]
 
     def index(self, a: Action, replica: int) -> int:
         """The micro-batch's row in the call's combined batch."""
@@ -51,6 +57,7 @@ class ActionRunner:
         k = self.index(a, replica)
         inputs = self.micro_inputs[k]
         mutated = plan.partition.mutated_inputs
+        hooked = False
         args = []
         for pos, ref in enumerate(stage.args):
             if ref.kind == "input":
@@ -61,7 +68,11 @@ class ActionRunner:
                     v = v.clone()
             elif ref.kind == "stage":
                 v = self.exchange.take(("A", a.stage, pos, a.iteration, a.micro_batch, replica))
-                if isinstance(v, torch.Tensor):
+                if self.fused:
+                    if isinstance(v, torch.Tensor) and v.requires_grad and not hooked:
+                        hooked = True
+                        v.register_hook(self._timer(stash, a))
+                elif isinstance(v, torch.Tensor):
                     needs_grad = plan.training and v.requires_grad
                     v = v.detach()
                     if v.device != device:
@@ -102,7 +113,48 @@ class ActionRunner:
                 "'return output, loss').")
         return loss
 
+    @staticmethod
+    def _timer(stash: dict, a: Action):
+        """A hook noting when the gradient reaching stage ``a.stage``'s input is ready."""
+        def hook(grad):
+            stash[("grad-ready", a.stage, a.iteration, a.micro_batch)] = time.perf_counter()
+        return hook
+
+    def _fused_backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        """The last stage's backward runs every stage's; the others report their share."""
+        key = (a.iteration, a.micro_batch)
+        span = stash.pop(("span", a.stage) + key, None)
+        if span is not None:
+            return span
+        plan = self.plan
+        n = plan.partition.num_stages
+        outs = {s: stash.pop((s,) + key)[1] for s in range(n)}
+        start = time.perf_counter()
+        loss = self._loss_seed(outs[plan.loss_stage])
+        params = self._all_params
+        if loss is not None and params:
+            result = torch.autograd.grad([loss], params, [torch.full_like(loss, self.loss_scaling)],
+                                         allow_unused=True)
+        else:
+            result = [None] * len(params)
+        first = 0
+        for s in range(n):
+            count = len(plan.trainable[s])
+            self._accumulate(a._replace(stage=s), replica, plan.trainable[s],
+                             result[first:first + count])
+            first += count
+        if plan.record and params and params[0].device.type == "cuda":
+            torch.cuda.synchronize(params[0].device)
+        end = time.perf_counter()
+        for s in reversed(range(n)):  # stage s ran from its successor's input gradient to its own
+            began = stash.pop(("grad-ready", s + 1) + key, start) if s < n - 1 else start
+            done = stash.get(("grad-ready", s) + key, end) if s > 0 else end
+            stash[("span", s) + key] = (began, max(began, done))
+        return stash.pop(("span", a.stage) + key)
+
     def backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        if self.fused:
+            return self._fused_backward(a, replica, stash)
         plan = self.plan
         s = a.stage
         args, outs = stash.pop((s, a.iteration, a.micro_batch))

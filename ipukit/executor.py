@@ -162,7 +162,8 @@ class CallRunner:
         self.loss_scaling, float32_accumulation = update.precision(optimizer)
         self.actions = ActionRunner(plan, schedule.micro_batches, micro_inputs, replicas,
                                     self.exchange, self.results, self.accumulators,
-                                    self.loss_scaling, float32_accumulation, anchors, keep_rows)
+                                    self.loss_scaling, float32_accumulation, anchors, keep_rows,
+                                    fused=schedule.sequential)
         self.events: List[List[Event]] = []
         self.steps_done = 0
         self.guard = InterruptGuard()

@@ -76,8 +76,8 @@ def test_tensor_names_and_errors():
     x, y = make_data(2)
     with pytest.raises(ipukit.Error, match="did you mean Gradient___head.weight"):
         tm(x, y)
-    ok = ipukit.trainingModel(StackNet(2, ipus=[0, 0]),
-                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    other = StackNet(2, ipus=[0, 0])
+    ok = ipukit.trainingModel(other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
     with pytest.raises(ipukit.Error, match="not compiled|compile"):
         ok.getTensorNames()
     ok.compile(x, y)
