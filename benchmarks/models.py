@@ -58,10 +58,11 @@ def balanced_data(width: int, samples: int, seed: int = 1) -> Tuple[torch.Tensor
 
 def balanced_ipukit(stages: int, width: int, layers: int, micro_batches: int, *,
                     sharded: bool = False, schedule: str = "1F1B",
-                    record: bool = True) -> ipukit.PoplarExecutor:
+                    record: bool = True, device_iterations: int = 1) -> ipukit.PoplarExecutor:
     """A pipelined (or sharded) training model of the balanced network with SGD."""
     net = BalancedNet(balanced_sequential(stages, width, layers))
     opts = ipukit.Options().pipelineSchedule(schedule).recordTimeline(record)
+    opts.deviceIterations(device_iterations)
     opts.Training.gradientAccumulation(micro_batches)
     if sharded:
         opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.AutoStage.SameAsIpu))

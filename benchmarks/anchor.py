@@ -1,0 +1,109 @@
+"""The plain micro-batched loop as the anchor: what ipukit costs over the loop it replaces.
+
+On a CPU a pipeline's only competitor is the loop a user would write without
+ipukit: for each optimiser step, forward and backward every micro-batch, then
+step. Sharded execution does the same arithmetic one stage at a time, so it
+should cost almost nothing extra; pipelined execution should beat the loop
+once stages run on their own cores. Also measured: the cost of one hand-off
+between two worker threads (an activation put in a mailbox and taken out).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Dict
+
+import torch
+
+from ipukit.workers import Exchange
+
+from .common import Sizes, cores, interleaved, median, paired_ratio, verdict
+from .models import BalancedNet, balanced_data, balanced_ipukit, balanced_sequential
+
+DEVICE_ITERATIONS = 2
+
+
+def plain_loop(stages: int, s: Sizes, x, y) -> Callable[[], None]:
+    """The hand-written loop over the same micro-batches, weights and optimiser."""
+    net = BalancedNet(balanced_sequential(stages, s.width, s.layers_per_stage))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    ga = s.micro_batches
+    xs, ys = x.split(s.micro_batch), y.split(s.micro_batch)
+
+    def run() -> None:
+        k = 0
+        for _ in range(DEVICE_ITERATIONS):
+            opt.zero_grad(set_to_none=True)
+            for _ in range(ga):
+                _, loss = net(xs[k], ys[k])
+                (loss / ga).backward()
+                k += 1
+            opt.step()
+    return run
+
+
+def _model(stages: int, s: Sizes, sharded: bool):
+    return balanced_ipukit(stages, s.width, s.layers_per_stage, s.micro_batches,
+                           sharded=sharded, device_iterations=DEVICE_ITERATIONS)
+
+
+def against_loop(s: Sizes, stages: int) -> Dict[str, float]:
+    x, y = balanced_data(s.width, s.micro_batch * s.micro_batches * DEVICE_ITERATIONS)
+    shard, pipe = _model(stages, s, True), _model(stages, s, False)
+    variants = {"loop": plain_loop(stages, s, x, y), "sharded": lambda: shard(x, y),
+                "pipelined": lambda: pipe(x, y)}
+    for fn in variants.values():
+        fn()
+    per_round = 2
+    t = interleaved(variants, s.rounds, per_round)
+    out: Dict[str, float] = {k + "_s": median(v) for k, v in t.items()}
+    for name in ("sharded", "pipelined"):  # speed ÷ the loop's = loop time ÷ variant time
+        ratio, noise = paired_ratio(t["loop"], t[name], per_round)
+        out[name + "_speed"], out[name + "_noise"] = ratio, noise
+    return out
+
+
+def hand_off_cost(exchanges: int = 2000) -> float:
+    """Seconds per hand-off: two threads pass a tensor back and forth through an Exchange."""
+    ex = Exchange()
+    value = torch.zeros(8)
+
+    def echo() -> None:
+        for i in range(exchanges):
+            ex.put(("back", i), ex.take(("there", i)))
+
+    helper = threading.Thread(target=echo, name="bench-echo", daemon=True)
+    helper.start()
+    start = time.perf_counter()
+    for i in range(exchanges):
+        ex.put(("there", i), value)
+        ex.take(("back", i))
+    elapsed = time.perf_counter() - start
+    helper.join()
+    return elapsed / (2 * exchanges)
+
+
+def anchor(s: Sizes) -> dict:
+    from .suite import row  # the suite's row format
+
+    rows, details = [], {}
+    for n in s.stage_counts:
+        d = details[f"{n}_stages"] = against_loop(s, n)
+        rows.append(row("anchor", f"{n} stages: sharded speed ÷ plain loop", d["sharded_speed"],
+                        "×", "≥ 0.95", verdict(d["sharded_speed"], d["sharded_noise"], 0.95,
+                                               below=False),
+                        f"{d['sharded_s'] * 1e3:.1f} ms vs loop {d['loop_s'] * 1e3:.1f} ms per "
+                        f"call ({DEVICE_ITERATIONS} steps × {s.micro_batches} micro-batches of "
+                        f"{s.micro_batch}, width {s.width})"))
+        goal = "≥ 1.3" if n == 2 else None
+        rows.append(row("anchor", f"{n} stages: pipelined speed ÷ plain loop",
+                        d["pipelined_speed"], "×", goal,
+                        verdict(d["pipelined_speed"], d["pipelined_noise"], 1.3, below=False)
+                        if goal else None,
+                        f"{d['pipelined_s'] * 1e3:.1f} ms; {min(n, cores())} of {cores()} cores "
+                        "can work at once"))
+    cost = hand_off_cost(200 if s.rounds < 5 else 2000)
+    details["hand_off_s"] = cost
+    rows.append(row("anchor", "one hand-off between worker threads", cost * 1e6, "µs", "≤ 15",
+                    cost * 1e6 <= 15, "put + take through ipukit.workers.Exchange, ping-pong"))
+    return {"rows": rows, "details": details}
