@@ -121,8 +121,10 @@ def load_ipu_config(args: argparse.Namespace) -> Optional[IPUConfig]:
     for note in config.legacy_notes:
         print(f"  older file: {note}")
     ignored = config.ignored_settings()
-    ignored.update({k: v for k, v in config.ignored_settings(for_inference=True).items()
-                    if k not in ignored})
+    for key, value in config.ignored_settings(for_inference=True).items():
+        twin = key[len("inference_"):] if key.startswith("inference_") else key
+        if key not in ignored and ignored.get(twin, object()) != value:
+            ignored[key] = value
     print("  ignored (IPU-only, no effect in ipukit): "
           + (", ".join(f"{k}={v}" for k, v in ignored.items()) or "none"), flush=True)
     return config
