@@ -117,7 +117,7 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
 
 def schedule_name(kind) -> str:
     """Schedule names as the options spell them: ``1F1B``, ``GPipe``."""
-    return {"1f1b": "1F1B", "gpipe": "GPipe"}.get(str(kind).lower(), str(kind))
+    return {"1f1b": "1F1B", "gpipe": "GPipe", "sharded": "Sharded"}.get(str(kind).lower(), str(kind))
 
 
 def _describe(timeline: Timeline) -> str:
@@ -398,8 +398,9 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
     titles = []
     for k, tl in zip(kinds, timelines):
         b = tl.idle_breakdown()
+        formula = "(N−1)/N" if k.startswith("sharded") else "(N−1)/(M+N−1)"
         titles.append(f"{schedule_name(k)}: {tl.wall_time:g} units, idle "
-                      f"{100 * b['shares']['bubble']:.0f}% = (N−1)/(M+N−1)")
+                      f"{100 * b['shares']['bubble']:.0f}% = {formula}")
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles, horizontal_spacing=0.12)
     for col, (k, tl) in enumerate(zip(kinds, timelines), start=1):
         peak = tl.peak_in_flight()
