@@ -95,8 +95,20 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
     for x, y in batches:
         d_out.append(dist_model(share(x, replica, replicas, micro), share(y, replica, replicas, micro)))
         t_out.append(thr_model(x, y))
+    after = {}
+    if mode == poptorch.OutputMode.All and stages == 2:
+        # an inference model of the trained module: each process's stages hold the trained
+        # weights (nothing else was synchronised yet)
+        x, y = batches[0]
+        o = poptorch.Options().deviceIterations(4).replicationFactor(replicas)
+        mb = x.shape[0] // (4 * replicas)  # the inference model's micro-batch
+        d_inf = ipd.inferenceModel(net, o)(share(x, replica, replicas, mb),
+                                           share(y, replica, replicas, mb))
+        t_inf = poptorch.inferenceModel(ref, _plain(replicas))(x, y)
+        after["inference_after_training"] = maxdiff(d_inf[0], share(t_inf[0], replica, replicas,
+                                                                      mb))
     dist_model.synchronize_weights()
-    result = {"weights": max(maxdiff(p, q) for p, q in zip(net.parameters(), ref.parameters())),
+    result = {**after, "weights": max(maxdiff(p, q) for p, q in zip(net.parameters(), ref.parameters())),
               "buffers": max([maxdiff(p, q) for p, q in zip(net.buffers(), ref.buffers())
                               if p.is_floating_point()] or [0.0])}
     # the threaded call returns every replica's rows; this process gets its replica's

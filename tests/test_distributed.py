@@ -71,6 +71,7 @@ def test_two_processes_match_threads(pp2, case):
     for rank in (0, 1):
         r = pp2[rank][case]
         assert r["weights"] == 0.0, (rank, r)
+        assert r.get("inference_after_training", 0.0) == 0.0, (rank, r)
         assert r["losses"] == 0.0 and r["outputs"] == 0.0, (rank, r)
         for d_out, d_loss, t_out, t_loss in r["shapes"]:
             assert d_out == t_out and d_loss == t_loss
@@ -82,6 +83,7 @@ def test_two_replicas_of_two_stages_match_threads(dp2pp2, case):
     for rank in range(4):
         r = dp2pp2[rank][case]
         assert r["weights"] < 1e-6 and r["buffers"] < 1e-6, (rank, r)
+        assert r.get("inference_after_training", 0.0) < 1e-6, (rank, r)
         assert r["losses"] < 1e-6 and r["outputs"] < 1e-6, (rank, r)
 
 
@@ -194,7 +196,7 @@ def test_not_launched_runs_on_threads():
     x, y = make_data(6)
     out, loss = model(x, y)
     assert out.shape == (2, 4) and loss.dim() == 0
-    assert model._executor._plan is not None  # ran on the threaded executor
+    assert model.isCompiled() and "_ipukit_distributed" not in model._executor.__dict__
 
 
 def test_processes_configured_without_a_launcher_is_a_clear_error(monkeypatch):
@@ -259,3 +261,30 @@ def test_dataloader_share_too_small_is_a_clear_error():
     o.Distributed.configureProcessId(0, 2)
     with pytest.raises(DistributedError, match="fewer than one combined batch"):
         ipukit.DataLoader(o, torch.utils.data.TensorDataset(torch.zeros(3)), batch_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1", reason="a full epoch: set IPUKIT_SLOW=1")
+def test_tutorial_mnist_as_four_processes_learns_like_threads(data_root, tmp_path):
+    """The seed tutorial's model, 4 stages as 4 processes, one epoch; then the same on threads."""
+    out = tmp_path / "mnist.json"
+    env = dict(os.environ)
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", "4",
+                           os.path.join(HERE, "distributed_mnist.py"), data_root, str(out)],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    processes = json.loads(out.read_text())
+    processes["launch_seconds"] = time.monotonic() - started
+    from test_tutorial import tutorial_run
+
+    started = time.monotonic()
+    _, threaded_acc = tutorial_run(data_root, epochs=1)
+    threaded_seconds = time.monotonic() - started
+    print(f"4 processes: test accuracy {processes['test_acc']:.2f}% (train "
+          f"{processes['train_seconds']:.1f} s, launch {processes['launch_seconds']:.1f} s); "
+          f"threads: {threaded_acc:.2f}% in {threaded_seconds:.1f} s")
+    assert processes["tracks"] == [0, 1, 2, 3]
+    assert processes["test_acc"] > 96.0
+    assert abs(processes["test_acc"] - threaded_acc) < 1.5

@@ -82,9 +82,23 @@ class Compiled:
 
 
 def _compiled(model) -> Compiled:
-    """The compiled state of ``model`` (a PoplarExecutor); the only place that reads its internals."""
-    plan = model._plan
+    """The compiled state of ``model`` (a PoplarExecutor); the only place that reads its internals.
+
+    Reads the model's ``Program`` (``model._program``) when it has one, else the
+    older ``_plan``/``_schedule``/``_output_mode`` attributes.
+    """
     opts = model._options
+    program = model.__dict__.get("_program")
+    if program is not None:
+        return Compiled(partition=program.partition, schedule=program.schedule,
+                        batching=program.batching, output_mode=program.output_mode,
+                        output_period=program.output_period, training=program.training,
+                        optimizer=model._optimizer, options=opts,
+                        tensor_inputs=list(program.tensor_inputs), reduction=program.reduction,
+                        record=program.record, loss_stage=program.loss_stage,
+                        loss_item=program.loss_item, host_outputs=program.host_outputs,
+                        input_names=list(program.input_names))
+    plan = model._plan
     return Compiled(partition=plan.partition, schedule=model._schedule,
                     batching=model._batching(), output_mode=model._output_mode,
                     output_period=opts.output_return_period, training=model._training,
@@ -92,6 +106,11 @@ def _compiled(model) -> Compiled:
                     tensor_inputs=list(plan.tensor_inputs), reduction=plan.reduction,
                     record=plan.record, loss_stage=plan.loss_stage, loss_item=plan.loss_item,
                     host_outputs=plan.host_outputs, input_names=list(model._input_names))
+
+
+def _is_compiled(model) -> bool:
+    d = model.__dict__
+    return (d.get("_program") if "_program" in d else model._plan) is not None
 
 
 def _compile(model, args, kwargs) -> None:
@@ -163,14 +182,11 @@ def ensure_process_group(options) -> None:
 
 
 def _install_failure_report() -> None:
-    """Under ipukit-run, an uncaught exception leaves a one-line note naming this rank."""
-    folder = os.environ.get("IPUKIT_FAILURE_DIR")
-    if not folder:
-        return
+    """An uncaught exception tells the peers (and ipukit-run) which rank failed and why."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        _note_failure(value)
+        _note_failure(value, uncaught=True)
         previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -181,31 +197,35 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _note_failure(exc: BaseException, where: str = "") -> None:
-    """Record the first failure: in the rendezvous store (peers read it) and for ipukit-run."""
+def _note_failure(exc: BaseException, uncaught: bool = False) -> None:
+    """Tell the peers (through the rendezvous store) that this rank failed, and why.
+
+    Under ipukit-run, an exception that ends the process is also written to
+    ``IPUKIT_FAILURE_DIR``, so the launcher names the process that failed first;
+    errors a script catches (and goes on from) are not.
+    """
     import torch.distributed as dist
 
     if isinstance(exc, DistributedError) and getattr(exc, "_peer", False):
         return  # a consequence of another rank's failure, not a cause
     rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
-    line = f"rank {rank}{where}: {_describe(exc)}"
+    line = f"rank {rank}: {_describe(exc)}"
+    now = time.time()
     folder = os.environ.get("IPUKIT_FAILURE_DIR")
-    if folder:
+    if folder and uncaught:
         try:
             with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
-                f.write(f"{time.time()}\n{line}\n")
+                f.write(f"{now}\n{line}\n")
         except OSError:
             pass
     try:
-        store = dist.distributed_c10d._get_default_store()
-        if not store.check([_FAILED_KEY]):
-            store.set(_FAILED_KEY, line)
+        dist.distributed_c10d._get_default_store().set(_FAILED_KEY, f"{now}|{line}")
     except Exception:  # noqa: BLE001 - best effort: the store may be gone
         pass
 
 
-def _peer_failure(wait: float = 3.0) -> Optional[str]:
-    """The failure another rank recorded, waiting briefly for it to be written."""
+def _peer_failure(since: float, wait: float = 3.0) -> Optional[str]:
+    """The failure another rank recorded after ``since``, waiting briefly for it."""
     import torch.distributed as dist
 
     deadline = time.monotonic() + wait
@@ -213,7 +233,9 @@ def _peer_failure(wait: float = 3.0) -> Optional[str]:
         try:
             store = dist.distributed_c10d._get_default_store()
             if store.check([_FAILED_KEY]):
-                return store.get(_FAILED_KEY).decode()
+                stamp, _, line = store.get(_FAILED_KEY).decode().partition("|")
+                if float(stamp) >= since:
+                    return line
         except Exception:  # noqa: BLE001
             return None
         if time.monotonic() > deadline:
@@ -288,10 +310,11 @@ class _StageBody(torch.nn.Module):
             args.append(v)
         out = self.inner(*args)
         outs = out if self._tuple_output else (out,)
-        row = ctx.rows.setdefault(ctx.offset + k, {})
-        for j, item in self._host_outputs:
-            v = outs[item]
-            row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+        if self._host_outputs and rt.returned[ctx.offset + k]:
+            row = ctx.rows.setdefault(ctx.offset + k, {})
+            for j, item in self._host_outputs:
+                v = outs[item]
+                row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
         if self._last:
             if rt.compiled.training:
                 return outs[rt.compiled.loss_item]
@@ -430,12 +453,9 @@ class _Runtime:
         self.mesh = init_device_mesh(mesh_type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
-        # replicas (and processes) start from process 0's weights and buffers
-        with torch.no_grad():
-            for t in list(model._user_model.parameters()) + list(model._user_model.buffers()):
-                moved = t.data.to(self.device)
-                dist.broadcast(moved, src=0)
-                t.data.copy_(moved.to(t.device))
+        # every process starts from the weights and buffers of each stage's process in
+        # replica 0 (which may have trained them through another model of this module)
+        _broadcast_stages(part, self.device)
         self.mine = [st.index for st in part.stages if st.ipu == self.ipu]
         for s in self.mine:
             part.stages[s].module.to(self.device)
@@ -461,6 +481,8 @@ class _Runtime:
             self.stages.append(stage)
         self.M = c.schedule.micro_batches
         self.iterations = c.schedule.iterations
+        steps = self.M * self.iterations
+        self.returned = _returned_micro_batches(c.output_mode, c.output_period, steps)
         loss_scaling = float((getattr(c.optimizer, "ipu_arguments", None) or {})
                              .get("loss_scaling", 1.0)) if c.training else 1.0
         self.loss_scaling = loss_scaling
@@ -542,6 +564,9 @@ class _Runtime:
         table = []
         for k in range(len(micro)):
             row = [None] * n_out
+            if not self.returned[k]:  # gather() never reads it: any placeholder will do
+                table.append(table[-1] if table else row)
+                continue
             for j, v in rows.get(k, {}).items():
                 row[j] = v
             for j, ref in enumerate(part.outputs):
@@ -611,6 +636,17 @@ class _Runtime:
         model.__dict__["_timeline"] = Timeline(events, modeled=False, meta=meta)
 
 
+def _returned_micro_batches(mode, period: int, steps: int) -> List[bool]:
+    """Which micro-batches' outputs the output mode returns (only those are gathered)."""
+    from ..enums import OutputMode
+
+    if mode == OutputMode.Final:
+        return [k == steps - 1 for k in range(steps)]
+    if mode == OutputMode.EveryN:
+        return [(k + 1) % period == 0 for k in range(steps)]
+    return [True] * steps
+
+
 def _per_ipu_lanes(schedule, ipus: Sequence[int]) -> List[list]:
     """A one-lane (sharded) schedule as one lane per virtual IPU, in the same order."""
     lanes = [[] for _ in ipus]
@@ -645,10 +681,11 @@ def maybe_run(model, args: tuple, kwargs: dict):
     d = model.__dict__
     rt = d.get("_ipukit_distributed")
     flat, spec = pytree.tree_flatten((args, kwargs))
+    started = time.time()
     try:
         ensure_process_group(opts)
-        if rt is None or model._plan is None:
-            if model._plan is None:
+        if rt is None or not _is_compiled(model):
+            if not _is_compiled(model):
                 _compile(model, args, kwargs)
             need = expected_processes(model)
             if need != opts.Distributed.numProcesses:
@@ -668,7 +705,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
         raise
     except BaseException as exc:
         if _is_comm_error(exc):
-            cause = _peer_failure()
+            cause = _peer_failure(started - 1.0)
             if cause is not None and not cause.startswith(f"rank {opts.Distributed.processId}:"):
                 who, _, what = cause.partition(": ")
                 err = DistributedError(f"ipukit: {who.replace('rank', 'process')} failed "
@@ -692,15 +729,20 @@ def synchronize_weights(model) -> None:
     import torch.distributed as dist
 
     rt = model.__dict__.get("_ipukit_distributed")
-    if rt is None:
-        return
-    part = rt.compiled.partition
+    if rt is not None:
+        _broadcast_stages(rt.compiled.partition, rt.device)
+
+
+def _broadcast_stages(part, device: torch.device) -> None:
+    """Each stage's weights and buffers from its process in replica 0 to every process."""
+    import torch.distributed as dist
+
     ipus = part.ipus
     with torch.no_grad():
         for st in part.stages:
             owner = ipus.index(st.ipu)  # replica 0's process of that IPU
             for t in list(st.module.parameters()) + list(st.module.buffers()):
-                moved = t.data.to(rt.device)
+                moved = t.data.to(device)
                 dist.broadcast(moved, src=owner)
                 t.data.copy_(moved.to(t.device))
 
