@@ -201,6 +201,19 @@ def _map_tensors(data: Any, fn) -> Any:
     return data
 
 
+def _state_to_parameter_devices(optimizer) -> None:
+    """Optimiser state next to its parameter, wherever ipukit placed the stage.
+
+    Lightning restores a checkpoint's optimiser state onto the strategy's root device (the
+    host); ipukit then moves each stage's weights to its virtual IPU's device. Scalars
+    (Adam's ``step``) stay where torch.optim wants them.
+    """
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.device != p.device:
+                state[key] = value.to(p.device)
+
+
 # --------------------------------------------------------------------------- step module
 _STEP_OF = {RunningStage.TRAINING: "training_step", RunningStage.SANITY_CHECKING: "validation_step",
             RunningStage.VALIDATING: "validation_step", RunningStage.TESTING: "test_step",
@@ -585,6 +598,8 @@ class IPUStrategy(ParallelStrategy):
         batch = self._cast_inputs(batch)
         if not model.isCompiled():
             self._compile(model, batch)
+            if model.training:
+                _state_to_parameter_devices(model._optimizer)
         return model(batch)
 
     def _cast_inputs(self, batch: Any) -> Any:
@@ -597,6 +612,11 @@ class IPUStrategy(ParallelStrategy):
                             if t.is_floating_point() and t.dtype != dtype else t)
 
     def _compile(self, model, batch) -> None:
+        # A model compiled earlier (training, say) may have put the shared weights on a GPU;
+        # ipukit traces on the sample it is given, so give it one on the weights' device.
+        device = next((p.device for p in self.lightning_module.parameters()), None)
+        if device is not None and device.type != "cpu":
+            batch = _map_tensors(batch, lambda t: t.to(device))
         _log_state.calls = []
         try:
             model.compile(batch)

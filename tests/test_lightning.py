@@ -88,7 +88,7 @@ class Direct(torch.nn.Module):
 
 
 def weights(module):
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- item 1
@@ -143,7 +143,8 @@ def test_fit_gives_the_weights_of_the_same_ipukit_training():
     assert diff <= 1e-6, diff
     state = t.optimizers[0].state_dict()["state"]
     for i, p in enumerate(direct.parameters()):
-        assert torch.allclose(state[i]["exp_avg"], optimizer.state[p]["exp_avg"], atol=1e-6)
+        assert torch.allclose(state[i]["exp_avg"].cpu(), optimizer.state[p]["exp_avg"].cpu(),
+                              atol=1e-6)
         assert state[i]["step"] == optimizer.state[p]["step"] == 16
 
 
