@@ -171,7 +171,7 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple,
             try:
                 timing(*batch)     # compile + warm-up
                 timing(*batch)
-                return timing.getTimeline(), [st.blocks for st in timing._plan.partition.stages]
+                return timing.getTimeline(), [st.blocks for st in timing.program.partition.stages]
             finally:
                 timing.destroy()
     finally:

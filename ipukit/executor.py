@@ -14,20 +14,17 @@ Ctrl-C pressed again meanwhile waits until that is done.
 """
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from . import update
 from .actions import ActionRunner
-from .enums import ReductionType
 from .ops import running_on_ipu
-from .partition import Partition
+from .program import Program
 from .schedule import Schedule
 from .timeline import Event, Timeline
 from .workers import Aborted, Exchange, InterruptGuard, Pool
@@ -37,83 +34,7 @@ __all__ = ["Aborted", "CallRunner", "Exchange", "Plan", "StateSnapshot", "defaul
 StateSnapshot = update.StateSnapshot
 
 
-@dataclass
-class Plan:
-    """Everything about a compiled model that stays fixed from call to call."""
-
-    partition: Partition
-    training: bool
-    devices: Dict[int, torch.device]           # virtual IPU -> torch device
-    reduction: ReductionType = ReductionType.Mean
-    threads_per_worker: Optional[int] = None
-    offload_optimizer: bool = False
-    record: bool = True
-    # derived
-    consumers: List[List[Tuple[int, int, int]]] = field(default_factory=list)
-    host_outputs: List[List[Tuple[int, int]]] = field(default_factory=list)
-    trainable: List[List[torch.nn.Parameter]] = field(default_factory=list)
-    tensor_inputs: List[int] = field(default_factory=list)
-    loss_stage: Optional[int] = None
-    loss_item: int = 0
-    # (stage, replica >= 1) -> that replica's copy of a stage module with buffers
-    replica_modules: Dict[Tuple[int, int], torch.nn.Module] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        part = self.partition
-        n = part.num_stages
-        self.consumers = [[(c, pos, 0 if item is None else item)
-                           for c, pos, item in part.consumers(s)] for s in range(n)]
-        self.host_outputs = [[] for _ in range(n)]
-        for j, ref in enumerate(part.outputs):
-            if ref.kind == "stage":
-                self.host_outputs[ref.index].append((j, 0 if ref.item is None else ref.item))
-        self.trainable = [[p for p in st.parameters if p.requires_grad] for st in part.stages]
-        if part.loss_output is not None and self.training:
-            ref = part.outputs[part.loss_output]
-            if ref.kind == "stage":
-                self.loss_stage = ref.index
-                self.loss_item = 0 if ref.item is None else ref.item
-
-    @property
-    def stage_ipus(self) -> List[int]:
-        return [st.ipu for st in self.partition.stages]
-
-    def device_of(self, stage: int) -> torch.device:
-        return self.devices.get(self.partition.stages[stage].ipu, torch.device("cpu"))
-
-    def module_for(self, stage: int, replica: int) -> torch.nn.Module:
-        """The module replica ``replica`` runs for ``stage`` (see :meth:`prepare_replicas`)."""
-        mine = self.replica_modules.get((stage, replica))
-        return self.partition.stages[stage].module if mine is None else mine
-
-    def prepare_replicas(self, replicas: int) -> None:
-        """Give replicas 1.. their own buffers, starting from the host's (replica 0's).
-
-        Replicas share the weights, but each has its own buffers (BatchNorm
-        statistics), as each IPU replica had: a replica's statistics see only
-        its own micro-batches, and replicas never race on one tensor. Replica 0
-        runs the user's modules, so the host keeps replica 0's statistics.
-        Called before each call's workers start: copies are made once, then
-        refreshed from the host, so they never go stale.
-        """
-        if replicas <= 1:
-            return
-        for index, stage in enumerate(self.partition.stages):
-            original = stage.module
-            if next(original.buffers(), None) is None:
-                continue
-            for replica in range(1, replicas):
-                mine = self.replica_modules.get((index, replica))
-                if mine is None:
-                    shared = {id(p): p for p in original.parameters()}  # deepcopy keeps these
-                    self.replica_modules[(index, replica)] = copy.deepcopy(original, shared)
-                    continue
-                with torch.no_grad():
-                    for theirs, own in zip(original.buffers(), mine.buffers()):
-                        own.copy_(theirs)
-                for theirs, own in zip(original.modules(), mine.modules()):
-                    own.training = theirs.training
-
+Plan = Program  # the executor reads a compiled Program (its older name)
 
 
 def default_threads(workers: int) -> int:
@@ -143,7 +64,7 @@ class _LocalExchange(dict):
 class CallRunner:
     """Executes one model call: ``micro_inputs`` through ``schedule``."""
 
-    def __init__(self, plan: Plan, schedule: Schedule, micro_inputs: List[list],
+    def __init__(self, plan: Program, schedule: Schedule, micro_inputs: List[list],
                  replicas: int, optimizer=None, clock_origin: Optional[float] = None,
                  call_index: int = 0, anchors=None, keep_rows=None) -> None:
         self.plan = plan

@@ -182,7 +182,7 @@ def _storage_key(t: torch.Tensor):
 
 def _sample_inputs(model) -> List[torch.Tensor]:
     """One micro-batch of synthetic inputs with the compiled shapes and dtypes."""
-    _, sig = model._signature
+    sig = model.program.signature
     tensors = []
     for entry in sig:
         if entry[0] != "tensor":
@@ -266,7 +266,7 @@ def activation_bytes(model) -> List[int]:
     Weights, buffers and the random state are left as they were. Cached per
     compiled model. An inference model runs without gradients and keeps nothing.
     """
-    plan = model._plan
+    plan = model.program
     if not plan.training:
         return [0] * plan.partition.num_stages   # run without gradients: nothing is kept
     cached = _ACTIVATIONS.get(id(plan))
@@ -297,12 +297,12 @@ def memory_report(model, schedule_kind: Optional[str] = None,
     (its kind and accumulation window); give others to see what e.g. GPipe
     with 32 micro-batches would need for the same stages.
     """
-    plan = getattr(model, "_plan", None)
+    plan = getattr(model, "program", None)
     if plan is None:
         raise ModelStateError("memory_report() needs a compiled ipukit model: call it once (or "
                               "model.compile(*inputs)) first.")
-    schedule: Schedule = model._schedule
-    options = model._options
+    schedule: Schedule = plan.schedule
+    options = model.options
     part = plan.partition
     N = part.num_stages
     kind = (schedule_kind or schedule.kind).lower()
@@ -317,7 +317,7 @@ def memory_report(model, schedule_kind: Optional[str] = None,
     else:
         in_flight = activation_stash(kind, N, M)
     per_mb = activation_bytes(model)
-    optimizer = model._optimizer if plan.training else None
+    optimizer = model.optimizer if plan.training else None
     on_chip = options.TensorLocations.on_chip("optimizer")
     stages = []
     for st in part.stages:

@@ -77,7 +77,7 @@ def _summary(timeline: Timeline) -> Dict[str, Any]:
 
 def _memory(model):
     """The model's memory report, or None when there is none to draw."""
-    if model is None or getattr(model, "_plan", None) is None:
+    if model is None or getattr(model, "program", None) is None:
         return None
     from .memory import memory_report
 

@@ -82,8 +82,8 @@ def test_balancing_leaves_the_model_as_it_was_and_its_strategy_trains(heavy):
     model = ipukit.trainingModel(net, opts)     # the timing wrapper is gone
     x, y = sample
     model(x.repeat(5, 1), y.repeat(5, 1))
-    assert [st.blocks for st in model._plan.partition.stages] == [["B0", "B1"], ["B2"], ["B3"]]
-    assert model._schedule.stage_ipus == [0, 1, 2]
+    assert [st.blocks for st in model.program.partition.stages] == [["B0", "B1"], ["B2"], ["B3"]]
+    assert model.program.schedule.stage_ipus == [0, 1, 2]
 
 
 def test_with_two_ipus_a_heavy_last_block_stands_alone():

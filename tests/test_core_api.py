@@ -62,7 +62,7 @@ def test_blocks_do_nothing_outside_ipukit():
 def _stages(model, opts, x):
     m = ipukit.inferenceModel(model, opts)
     out = m(x)
-    return [st.blocks for st in m._plan.partition.stages], [st.ipu for st in m._plan.partition.stages], out
+    return [st.blocks for st in m.program.partition.stages], [st.ipu for st in m.program.partition.stages], out
 
 
 def test_consecutive_blocks_on_one_ipu_form_one_stage():

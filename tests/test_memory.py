@@ -84,7 +84,7 @@ def test_parameters_gradients_and_adam_state_are_counted_from_the_model():
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     model = compiled(net, options(), opt)
     report = memory_report(model)
-    stages = model._plan.partition.stages
+    stages = model.program.partition.stages
     assert [st["blocks"] for st in report.stages] == [["B0"], ["B1"], ["B2"]]
     for st, entry in zip(stages, report.stages):
         assert entry["parameter_bytes"] == nbytes(st.parameters) > 0
@@ -111,7 +111,7 @@ def test_optimiser_state_before_the_first_step_by_formula(make, multiple):
     net = Stack()
     model = compiled(net, options(), make(net.parameters()), run=False)
     report = memory_report(model)
-    for st, entry in zip(model._plan.partition.stages, report.stages):
+    for st, entry in zip(model.program.partition.stages, report.stages):
         assert entry["optimizer_state_bytes"] == multiple * nbytes(st.parameters)
         assert entry["optimizer_state_source"] == "formula"
 
@@ -122,7 +122,7 @@ def test_sgd_momentum_state_after_a_step_and_offloaded_to_host():
     model = compiled(net, options(offload=True), opt)
     report = memory_report(model)
     assert not report.optimizer_on_chip
-    for st, entry in zip(model._plan.partition.stages, report.stages):
+    for st, entry in zip(model.program.partition.stages, report.stages):
         momentum = [opt.state[p]["momentum_buffer"] for p in st.parameters]
         assert entry["optimizer_state_host_bytes"] == nbytes(momentum) == nbytes(st.parameters)
         assert entry["optimizer_state_on_chip_bytes"] == 0
@@ -176,7 +176,7 @@ def test_inference_keeps_weights_only():
     model(torch.randn(3 * MB, WIDTH), torch.randint(0, 4, (3 * MB,)))
     report = memory_report(model)
     assert report.schedule_kind == "inference" and not report.training
-    for st, entry in zip(model._plan.partition.stages, report.stages):
+    for st, entry in zip(model.program.partition.stages, report.stages):
         assert entry["total_on_chip_bytes"] == entry["parameter_bytes"] == nbytes(st.parameters)
         assert entry["gradient_accumulator_bytes"] == entry["optimizer_state_bytes"] == 0
         assert entry["micro_batches_in_flight"] == 0

@@ -144,12 +144,12 @@ def test_measured_spans_start_after_their_inputs_exist(measured):
 
 def test_the_same_schedule_drives_executor_and_model(measured):
     model, tl = measured
-    modeled = ipukit.simulate(model._schedule.kind, 4, 7, iterations=2,
-                              schedule=model._schedule)
+    modeled = ipukit.simulate(model.program.schedule.kind, 4, 7, iterations=2,
+                              schedule=model.program.schedule)
     key = lambda e: (e.stage, e.kind, e.micro_batch, e.iteration)  # noqa: E731
     assert {key(e) for e in tl.device_events()} == {key(e) for e in modeled.events}
     # and each virtual IPU ran its lane in the schedule's order
-    for lane, ipu in zip(model._schedule.lanes, model._schedule.lane_ipus):
+    for lane, ipu in zip(model.program.schedule.lanes, model.program.schedule.lane_ipus):
         ran = sorted((e for e in tl.device_events() if e.ipu == ipu), key=lambda e: e.start)
         kinds = {"F": "forward", "B": "backward", "S": "step"}
         assert [(e.kind, e.stage, e.micro_batch, e.iteration) for e in ran] == \
