@@ -678,3 +678,13 @@ def test_recomputation_in_a_single_stage_training_model():
     before = counted.calls
     training(x, y)
     assert counted.calls - before == 6                  # 3 micro-batches, forward + recompute
+
+
+def test_copies_and_pickles_keep_values_and_mode():
+    import pickle
+
+    config = ipukit.IPUConfig(layers_per_ipu=[1, 2], seed=3).eval()
+    for clone in (copy.deepcopy(config), pickle.loads(pickle.dumps(config))):
+        assert clone == config and clone.mode == "inference"
+        clone.layers_per_ipu[0] = 5
+        assert config.layers_per_ipu == [1, 2]
