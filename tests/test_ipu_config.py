@@ -526,7 +526,7 @@ def test_to_options_trains_a_parallelized_model_equal_to_plain_pytorch():
     training = ipukit.trainingModel(model, config.to_options(),
                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     training(x, y)
-    assert training._plan.partition.num_stages == 2
+    assert training.program.partition.num_stages == 2
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(2):
         opt.zero_grad()

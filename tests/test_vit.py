@@ -82,7 +82,7 @@ def _train_pipelined(config_path, seed, **vit):
 def test_vit_pipelined_over_4_ipus_matches_plain_pytorch():
     model, reference, losses, ref_losses, training = _train_pipelined(
         CONFIG_PATH, seed=3, dim=16, heads=2, mlp_dim=32)
-    stages = training._plan.partition.stages
+    stages = training.program.partition.stages
     assert [s.ipu for s in stages] == [0, 1, 2, 3]
     tl = training.getTimeline()
     assert {0, 1, 2, 3} <= {e.ipu for e in tl.events}
@@ -100,7 +100,7 @@ def test_vit_with_wildcards_and_the_hub_vit_config_matches_plain_pytorch(tmp_pat
     model, reference, losses, ref_losses, training = _train_pipelined(
         path, seed=4, dim=8, heads=2, mlp_dim=16)
     assert len(model.layers) == 8 and model.layer_ipus() == [0, 1, 1, 1, 2, 2, 2, 3]
-    assert [s.ipu for s in training._plan.partition.stages] == [0, 1, 2, 3]
+    assert [s.ipu for s in training.program.partition.stages] == [0, 1, 2, 3]
     assert max_weight_diff(model, reference) < 1e-5
     assert torch.allclose(losses, ref_losses, atol=1e-5)
 
