@@ -14,7 +14,7 @@ import torch
 import ipukit
 from ipukit.timeline import Timeline
 
-from . import peers
+from . import anchor, distributed, peers
 from .common import (BATCH, Sizes, cores, interleaved, median, paired_ratio, threads, timed,
                      verdict)
 from .models import (PlainStep, balanced_data, balanced_ipukit, tiny_pair, tutorial_data,
@@ -401,6 +401,7 @@ BENCHMARKS: Dict[str, Callable[[Sizes], dict]] = {
     "overhead": overhead, "pipeline": pipeline, "peers": peer_comparison,
     "device_iterations": device_iterations, "recording": recording,
     "simulate": simulate_speed, "compile": compile_time, "imbalance": imbalance,
+    "distributed": distributed.distributed, "anchor": anchor.anchor,
 }
 
 

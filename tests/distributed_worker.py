@@ -125,6 +125,7 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         result.setdefault("shapes", []).append([list(do.shape), list(dl.shape),
                                                 list(to.shape), list(tl.shape)])
     result["outputs"], result["losses"] = max(outs), max(losses)
+    result["runner"] = type(dist_model._executor.__dict__["_ipukit_distributed"].runner).__name__
     tl = dist_model.getTimeline()
     if RANK == 0:
         tracks = {}

@@ -77,6 +77,15 @@ def test_two_processes_match_threads(pp2, case):
             assert d_out == t_out and d_loss == t_loss
 
 
+def test_torch_schedule_class_where_identical_else_the_runtime(pp2, dp2pp2):
+    # one stage per process: ipukit's 1F1B/GPipe order is torch's Schedule1F1B/ScheduleGPipe;
+    # two stages per process: torch's _PipelineScheduleRuntime fed ipukit's actions
+    assert pp2[0]["all"]["runner"] == "Schedule1F1B"
+    assert pp2[1]["gpipe"]["runner"] == "ScheduleGPipe"
+    assert pp2[0]["four_stages"]["runner"] == "Runtime"
+    assert dp2pp2[3]["sum"]["runner"] == "Schedule1F1B"
+
+
 @pytest.mark.parametrize("case", ["all", "final", "sum"])
 def test_two_replicas_of_two_stages_match_threads(dp2pp2, case):
     # the gradient all-reduce over 2 replicas adds the same 2 numbers as the threaded step

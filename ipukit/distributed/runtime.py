@@ -368,6 +368,52 @@ def _timed_stage_class():
     return TimedStage
 
 
+def _torch_single_order(kind: str, stage: int, num_stages: int, micro_batches: int) -> List[str]:
+    """The order torch's ``Schedule1F1B``/``ScheduleGPipe`` run one stage's actions in.
+
+    As their ``_step_microbatches`` execute it (torch 2.14): GPipe runs every
+    forward, then every backward; 1F1B runs ``min(M, N − stage)`` forwards,
+    then alternates a backward and a forward, then drains the backwards.
+    (Their ``pipeline_order`` tables are descriptive and not what runs.)
+    """
+    M = micro_batches
+    if kind == "gpipe":
+        return [f"{stage}F{m}" for m in range(M)] + [f"{stage}B{m}" for m in range(M)]
+    warmup = min(M, num_stages - stage)
+    order = [f"{stage}F{m}" for m in range(warmup)]
+    fwd, bwd = warmup, 0
+    while True:
+        order.append(f"{stage}B{bwd}")
+        bwd += 1
+        if fwd == M:
+            break
+        order.append(f"{stage}F{fwd}")
+        fwd += 1
+    order += [f"{stage}B{m}" for m in range(bwd, M)]
+    return order
+
+
+def _torch_schedule(c: Compiled, stages: list, micro_batches: int, loss_fn, lanes):
+    """torch's own schedule class when it runs exactly ipukit's order, else None.
+
+    With one stage per process, ipukit's 1F1B and GPipe orders are those of
+    torch's ``Schedule1F1B`` and ``ScheduleGPipe`` (checked action by action);
+    those classes pair each send with the next receive in one batched
+    exchange, which the general runtime does not.
+    """
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+
+    kind = c.schedule.kind
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}.get(kind)
+    n = c.partition.num_stages
+    if cls is None or not c.training or len(stages) != 1 or len(lanes) != n:
+        return None
+    ours = [[str(a) for a in lane] for lane in lanes]
+    if any(ours[s] != _torch_single_order(kind, s, n, micro_batches) for s in range(n)):
+        return None
+    return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
 def _runtime_class():
     """torch's schedule runtime, told the stage → rank mapping instead of inferring it.
 
@@ -491,19 +537,23 @@ class _Runtime:
             loss = output if output.dim() == 0 else output.sum()
             return loss * loss_scaling if loss_scaling != 1.0 else loss
 
-        stage_rank = {st.index: ipus.index(st.ipu) for st in part.stages}
-        self.runner = _runtime_class()(self.stages, self.M,
-                                       loss_fn=loss_fn if c.training else None,
-                                       scale_grads=False)
-        self.runner._ipukit_stage_rank = stage_rank
-        actions = {}
-        from torch.distributed.pipelining.schedules import _Action
-        for r, lane in enumerate(self.lanes):
-            actions[r] = [_Action.from_str(str(a)) for a in lane]
-        self.runner._prepare_schedule_with_comms(actions)
+        self.runner = _torch_schedule(c, self.stages, self.M, loss_fn, self.lanes)
+        if self.runner is None:  # ipukit's own order: torch's runtime, fed the actions
+            from torch.distributed.pipelining.schedules import _Action
+
+            self.runner = _runtime_class()(self.stages, self.M,
+                                           loss_fn=loss_fn if c.training else None,
+                                           scale_grads=False)
+            self.runner._ipukit_stage_rank = {st.index: ipus.index(st.ipu)
+                                              for st in part.stages}
+            self.runner._prepare_schedule_with_comms(
+                {r: [_Action.from_str(str(a)) for a in lane] for r, lane in enumerate(self.lanes)})
         self._target = torch.zeros(1, device=self.device)  # torch wants a target; the loss is the model's
         self.events: List[Event] = []
-        self.t0 = 0.0
+        # one clock for every process: the moment they all left this barrier (events are
+        # recorded against it, and each call's timeline starts at the earliest process's call)
+        dist.barrier()
+        self.t0 = time.perf_counter()
         self.call_index = 0
 
     # -- recording ----------------------------------------------------------------------------
@@ -529,9 +579,7 @@ class _Runtime:
             with torch.no_grad():
                 for buf in self.buffers:
                     dist.broadcast(buf.data, group=self.dp_group, group_src=0)
-        dist.barrier()  # the clocks of every process start here
-        t_call = time.perf_counter()
-        self.t0 = t_call
+        t_call = time.perf_counter() - self.t0
         self.events = []
         ctx = self.ctx
         ctx.rows = {}
@@ -551,14 +599,18 @@ class _Runtime:
                 else:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      return_outputs=False)
+        # one exchange per call: the rows of this replica (for every process of it) and,
+        # for process 0's timeline, every process's spans
         rows = ctx.rows
-        if self.pp > 1:
-            everyone = [None] * self.pp
-            dist.all_gather_object(everyone, rows, group=self.pp_group)
-            rows = {}
-            for part_rows in everyone:
-                for k, row in part_rows.items():
-                    rows.setdefault(k, {}).update(row)
+        mine = (rows, self.events if c.record else None, t_call)
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, mine)
+        rows = {}
+        for r in range(self.replica * self.pp, (self.replica + 1) * self.pp):
+            for k, row in everyone[r][0].items():
+                rows.setdefault(k, {}).update(row)
         part = c.partition
         n_out = len(part.outputs)
         table = []
@@ -578,7 +630,7 @@ class _Runtime:
         flat_out = microbatch.gather(table, c.output_mode, c.output_period, local)
         result = pytree.tree_unflatten(flat_out, part.out_spec)
         if c.record:
-            self._timeline(model, flat, t_call)
+            self._timeline(model, flat, everyone if self.rank == 0 else [mine])
         self.call_index += 1
         return result
 
@@ -614,15 +666,11 @@ class _Runtime:
                 self.events.append(Event(-1, "host", -1, t_start - self.t0, t_opt - self.t0,
                                          -1, self.replica, iteration, self.call_index))
 
-    def _timeline(self, model, flat, t_call) -> None:
-        import torch.distributed as dist
-
+    def _timeline(self, model, flat, parts) -> None:
         c = self.compiled
-        events = list(self.events)
-        gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(events, gathered, dst=0)
-        if self.rank == 0:
-            events = [e for part in gathered for e in part]
+        start = min(p[2] for p in parts)  # the earliest process's call starts the timeline
+        events = [e._replace(start=e.start - start, end=e.end - start)
+                  for p in parts for e in p[1]]
         events.sort(key=lambda e: (e.start, e.replica, e.ipu))
         samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
         meta = dict(c.schedule.describe())
