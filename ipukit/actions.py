@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import LossError
+from .gpu_clock import GpuClock
 from .schedule import BACKWARD, FORWARD, Action
 from .timeline import Event, KIND_NAMES
 from .update import LOW_PRECISION
@@ -44,6 +45,7 @@ class ActionRunner:
         # autograd graphs stay connected and one backward pass serves them all, as in
         # a plain PyTorch loop; gradient hooks at stage boundaries time each stage.
         self.fused = fused and plan.training
+        self.clock = GpuClock()
         self._all_params = [p for params in plan.trainable for p in params]
 
     def index(self, a: Action, replica: int) -> int:
@@ -82,7 +84,8 @@ class ActionRunner:
             else:
                 v = ref.value
             args.append(v)
-        ready = time.perf_counter()
+        on_gpu = device.type == "cuda" and plan.record
+        ready = self.clock.mark(device) if on_gpu else time.perf_counter()
         out = plan.module_for(a.stage, replica)(*args)
         outs = out if stage.tuple_output else (out,)
         if self.keep_rows is None or k in self.keep_rows:
@@ -92,9 +95,8 @@ class ActionRunner:
                 row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
         if plan.training:
             stash[(a.stage, a.iteration, a.micro_batch)] = (args, outs)
-        if device.type == "cuda" and plan.record:
-            torch.cuda.synchronize(device)  # GPU work is asynchronous: time the work, not the launch
-        end = time.perf_counter()  # before publishing: a consumer never starts before this
+        # before publishing: a consumer never starts before this
+        end = self.clock.mark(device) if on_gpu else time.perf_counter()
         for consumer, pos, item in plan.consumers[a.stage]:
             self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
         return ready, end
@@ -144,7 +146,7 @@ class ActionRunner:
                              result[first:first + count])
             first += count
         if plan.record and params and params[0].device.type == "cuda":
-            torch.cuda.synchronize(params[0].device)
+            torch.cuda.synchronize(params[0].device)  # one pass for every stage: time its work
         end = time.perf_counter()
         for s in reversed(range(n)):  # stage s ran from its successor's input gradient to its own
             began = stash.pop(("grad-ready", s + 1) + key, start) if s < n - 1 else start
@@ -167,7 +169,9 @@ class ActionRunner:
                     if g.device != src.device:  # the consumer ran on another device
                         g = g.to(src.device)
                     incoming[item] = incoming[item] + g if item in incoming else g
-        ready = time.perf_counter()
+        device = plan.device_of(s)
+        on_gpu = device.type == "cuda" and plan.record
+        ready = self.clock.mark(device) if on_gpu else time.perf_counter()
         seeds = [outs[i] for i in incoming]
         grads = [incoming[i] for i in incoming]
         if s == plan.loss_stage:
@@ -185,9 +189,7 @@ class ActionRunner:
         else:
             result = [None] * len(targets)
         self._accumulate(a, replica, params, result[len(diff_inputs):])
-        if plan.record and params and params[0].device.type == "cuda":
-            torch.cuda.synchronize(params[0].device)
-        end = time.perf_counter()
+        end = self.clock.mark(device) if on_gpu else time.perf_counter()
         stage_args = plan.partition.stages[s].args
         for (pos, _), g in zip(diff_inputs, result):
             ref = stage_args[pos]
@@ -236,5 +238,11 @@ class ActionRunner:
                                  f"{a.micro_batch} on stage {a.stage}, iteration {a.iteration})")
                 raise
             if record:
-                events.append(Event(a.stage, KIND_NAMES[kind], a.micro_batch, start - t0,
-                                    end - t0, ipus[a.stage], replica, a.iteration, call_index))
+                if type(start) is float:
+                    events.append(Event(a.stage, KIND_NAMES[kind], a.micro_batch, start - t0,
+                                        end - t0, ipus[a.stage], replica, a.iteration, call_index))
+                else:  # CUDA events: resolved into times once the call has finished
+                    events.append(Event(a.stage, KIND_NAMES[kind], a.micro_batch, 0.0, 0.0,
+                                        ipus[a.stage], replica, a.iteration, call_index))
+                    self.clock.later(events, len(events) - 1, self.plan.device_of(a.stage),
+                                     start, end)

@@ -216,6 +216,7 @@ class CallRunner:
             raise pool.error
 
     def timeline(self, samples: int) -> Timeline:
+        self.actions.clock.resolve(self.t0)
         events = sorted((e for lane in self.events for e in lane), key=lambda e: (e.start, e.ipu))
         meta = dict(self.schedule.describe())
         meta.update({"schedule": self.schedule.kind, "replicas": self.replicas,

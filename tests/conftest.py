@@ -21,3 +21,12 @@ def data_root():
     if not os.path.isdir(os.path.join(DATA_ROOT, "MNIST", "raw")):
         pytest.skip(f"real MNIST not found under {DATA_ROOT}/MNIST/raw (set IPUKIT_DATA)")
     return DATA_ROOT
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_marked(request, monkeypatch):
+    """The suite's tests are written for CPU: on a machine with CUDA, only tests marked
+    ``gpu`` see it (ipukit would otherwise place virtual IPUs on CUDA by default)."""
+    if request.node.get_closest_marker("gpu") is None and torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    yield
