@@ -9,6 +9,7 @@ trace — that is where :mod:`ipukit.partition` cuts the model into stages.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -18,7 +19,11 @@ from torch.distributed.pipelining import pipe_split
 
 from .errors import BlockError
 
-_recorder: Optional["BlockRecorder"] = None
+# The recorder of the trace running in this thread (or context). A ContextVar, not a
+# global behind a lock: a notebook's dashboard thread and the notebook itself can
+# record blocks at the same time without seeing each other's.
+_recorder: "contextvars.ContextVar[Optional[BlockRecorder]]" = contextvars.ContextVar(
+    "ipukit_block_recorder", default=None)
 
 
 @dataclass
@@ -76,13 +81,13 @@ class BlockRecorder:
 
 
 def _active() -> Optional[BlockRecorder]:
-    return _recorder
+    return _recorder.get()
 
 
 def set_recorder(recorder: Optional[BlockRecorder]) -> Optional[BlockRecorder]:
-    """Install ``recorder`` for the duration of a trace; returns the previous one."""
-    global _recorder
-    previous, _recorder = _recorder, recorder
+    """Install ``recorder`` for the duration of a trace (in this context); returns the previous."""
+    previous = _recorder.get()
+    _recorder.set(recorder)
     return previous
 
 

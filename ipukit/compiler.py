@@ -84,18 +84,17 @@ def _check_loss(part: partition.Partition, training: bool) -> None:
 
 def _partition(model: torch.nn.Module, sample, spec, strategy) -> partition.Partition:
     """Trace and split; a model that cannot be traced still runs as one eager stage."""
-    with partition._TRACE_LOCK:  # the block recorder is process-wide
-        try:
-            return partition.trace(model, sample, spec, strategy)
-        except TracingError as trace_error:
-            if strategy.stages:
-                raise
-            part = partition.eager(model, sample, spec)
-            with partition.recording_blocks(strategy) as rec:
-                partition.discover_eager_outputs(part, sample)
-            if len(rec.segments) > 1:
-                raise trace_error
-            return part
+    try:
+        return partition.trace(model, sample, spec, strategy)
+    except TracingError as trace_error:
+        if strategy.stages:
+            raise
+        part = partition.eager(model, sample, spec)
+        with partition.recording_blocks(strategy) as rec:
+            partition.discover_eager_outputs(part, sample)
+        if len(rec.segments) > 1:
+            raise trace_error
+        return part
 
 
 def check_stage_counts(n: int, strategy, opts: Options, training: bool) -> None:

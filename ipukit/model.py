@@ -70,8 +70,8 @@ class PoplarExecutor(PopTorchMethods):
                                "(expected ipukit.Options).")
         options._freeze()
         opts = options.clone()
-        if opts.defaultOutputMode():
-            opts.outputMode(OutputMode.Final if training else OutputMode.All)
+        if opts.defaultOutputMode():  # PopTorch's Default, resolved where every mode is
+            opts.outputMode(microbatch.resolve_output_mode(OutputMode.Default, training))
         if not training:
             if opts.Training.gradient_accumulation != 1:
                 msg = ("You must set ipukit.Options().Training.gradientAccumulation to 1 or leave "

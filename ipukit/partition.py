@@ -268,9 +268,9 @@ def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
           strategy: PipelinedExecution) -> Partition:
     """Trace ``model`` on one micro-batch and cut it into stages.
 
-    Traces run one at a time: the block recorder and torch.export's tracing
-    state are process-wide, so models compiled from several threads at once
-    (a dashboard's training thread and the notebook, say) take turns.
+    Traces run one at a time: torch.export's tracing state is process-wide, so
+    models compiled from several threads at once (a dashboard's training thread
+    and the notebook, say) take turns. (The block recorder is per context.)
     """
     with _TRACE_LOCK:
         return _trace(model, flat_inputs, in_spec, strategy)
