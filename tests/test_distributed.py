@@ -224,11 +224,12 @@ def test_processes_configured_without_a_launcher_is_a_clear_error(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_two_stages_on_one_gpu_match_plain_pytorch():
+    """Two stages sharing one GPU (deviceMapping), against plain PyTorch on the CPU."""
     from helpers import StackNet, make_data
     import copy
 
     torch.manual_seed(0)
-    net = StackNet(2).cuda()
+    net = StackNet(2)
     ref = copy.deepcopy(net)
     o = ipukit.Options().deviceMapping(["cuda:0"])
     o.Training.gradientAccumulation(4)
@@ -236,11 +237,12 @@ def test_gpu_two_stages_on_one_gpu_match_plain_pytorch():
     x, y = make_data(8)
     model(x, y)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for xs, ys in zip(x.cuda().chunk(4), y.cuda().chunk(4)):
+    for xs, ys in zip(x.chunk(4), y.chunk(4)):
         (ref(xs, ys)[1] / 4).backward()
     opt.step()
     for p, q in zip(net.parameters(), ref.parameters()):
-        assert torch.allclose(p, q, atol=1e-6)
+        assert p.device.type == "cuda"
+        assert torch.allclose(p.cpu(), q, atol=1e-5)
     tl = model.getTimeline()
     assert {e.ipu for e in tl.events if e.kind == "forward"} == {0, 1}
 
@@ -297,3 +299,30 @@ def test_tutorial_mnist_as_four_processes_learns_like_threads(data_root, tmp_pat
     assert processes["tracks"] == [0, 1, 2, 3]
     assert processes["test_acc"] > 96.0
     assert abs(processes["test_acc"] - threaded_acc) < 1.5
+
+
+def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
+    from ipukit.distributed.runtime import ensure_process_group
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    o = ipukit.Options().deviceMapping(["cuda:0"])
+    o.Distributed.configureProcessId(0, 2)
+    with pytest.raises(DistributedError, match="NCCL needs a GPU per process"):
+        ensure_process_group(o)
+
+
+def test_what_processes_do_not_support_yet_is_a_clear_error():
+    from helpers import StackNet, make_data
+    from ipukit.distributed.runtime import _check_supported
+
+    o = ipukit.Options()
+    o.Training.gradientAccumulation(3)
+    o.anchorTensor("grad", "Gradient___head.weight")
+    model = ipukit.trainingModel(StackNet(2), o)
+    model.compile(*make_data(6))
+    with pytest.raises(DistributedError, match="anchored tensors are not supported"):
+        _check_supported(model)

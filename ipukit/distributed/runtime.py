@@ -167,8 +167,15 @@ def ensure_process_group(options) -> None:
                 "Options.Distributed.disable() to run in one process.")
     backend = "cpu:gloo,cuda:nccl" if _wants_cuda(options) else "gloo"
     if _wants_cuda(options):
+        gpus = torch.cuda.device_count()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.numProcesses))
+        if per_node > gpus:
+            raise DistributedError(
+                f"ipukit: {per_node} processes on this machine but {gpus} CUDA device(s): NCCL "
+                "needs a GPU per process. Launch at most that many processes per machine, or "
+                "run the stages on CPU with Options.deviceMapping(['cpu']).")
         local = int(os.environ.get("LOCAL_RANK", d.processId))
-        torch.cuda.set_device(local % torch.cuda.device_count())
+        torch.cuda.set_device(local % gpus)
     try:
         dist.init_process_group(backend, rank=d.processId, world_size=d.numProcesses,
                                 timeout=_timeout())
@@ -716,6 +723,23 @@ def expected_processes(model) -> int:
     return len(c.partition.ipus) * c.batching.replicas
 
 
+def _check_supported(model) -> None:
+    """What the threaded executor does that processes do not (yet): a clear error, not a silent change."""
+    c = _compiled(model)
+    if c.options.anchored_tensors and c.training:
+        raise DistributedError(
+            "Options.anchorTensor: anchored tensors are not supported when stages run as "
+            "processes yet; remove the anchors, or run in one process "
+            "(Options.Distributed.disable()).")
+    low = [n for n, p in model._user_model.named_parameters()
+           if p.dtype in (torch.float16, torch.bfloat16)]
+    if low and c.training:
+        raise DistributedError(
+            f"half-precision weights ({low[0]}, ...): training them as processes (float32 "
+            "updates, loss scaling) is not supported yet; train in float32, or run in one "
+            "process (Options.Distributed.disable()).")
+
+
 def maybe_run(model, args: tuple, kwargs: dict):
     """Run one call of ``model`` on processes, or return :data:`NOT_DISTRIBUTED`.
 
@@ -744,6 +768,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
                     f"has {opts.Distributed.numProcesses} (WORLD_SIZE). Launch it with "
                     f"`ipukit-run --nproc {need} ...`, or change the Stages / "
                     "replicationFactor.")
+            _check_supported(model)
             rt = _Runtime(model, flat)
             d["_ipukit_distributed"] = rt
         return rt.run(model, flat)
