@@ -31,7 +31,6 @@ import datetime
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -818,14 +817,3 @@ def _broadcast_stages(part, device: torch.device) -> None:
                 moved = t.data.to(device)
                 dist.broadcast(moved, src=owner)
                 t.data.copy_(moved.to(t.device))
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def format_exc_line(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
