@@ -141,6 +141,7 @@ def test_a_raising_process_ends_the_run(pp2_launch):
     (["--nproc", "two", "x.py"], "expected an int >= 1"),
     (["--nproc", "2", "missing_script.py"], "script 'missing_script.py' not found"),
     (["--nproc", "2"], "give the script to run"),
+    (["--nproc", "2", "--nnodes", "2", __file__], "needs --rdzv-endpoint HOST:PORT"),
 ])
 def test_launcher_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -160,6 +161,9 @@ def test_launcher_command(tmp_path, monkeypatch):
     assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["OMP_NUM_THREADS"] == "1"
     cmd, _ = ipukit_run.build_command(["-n", "2", "-m", "ipukit.examples.mnist_pipeline"])
     assert cmd[-2:] == ["-m", "ipukit.examples.mnist_pipeline"]
+    cmd, env = ipukit_run.build_command(["-n", "2", "--nnodes", "2", "--rdzv-endpoint",
+                                         "host0:29500", str(script)])
+    assert "--standalone" not in cmd and "host0:29500" in cmd and "GLOO_SOCKET_IFNAME" not in env
 
 
 def test_options_distributed_reads_torchrun(monkeypatch):

@@ -2,10 +2,12 @@
 
     ipukit-run --nproc 4 train.py --epochs 1
     ipukit-run -n 4 -m ipukit.examples.mnist_pipeline
+    ipukit-run -n 2 --nnodes 2 --rdzv-endpoint host0:29500 train.py   # on each of 2 machines
     python -m ipukit.distributed.run --nproc 2 script.py
 
-Runs ``python -m torch.distributed.run --standalone --nproc-per-node N`` with
-``GLOO_SOCKET_IFNAME=lo`` and ``OMP_NUM_THREADS=1`` unless already set (several
+Runs ``python -m torch.distributed.run --standalone --nproc-per-node N`` (or, with
+``--nnodes``, torchrun's c10d rendezvous at ``--rdzv-endpoint``) with
+``GLOO_SOCKET_IFNAME=lo`` (one machine) and ``OMP_NUM_THREADS=1`` unless already set (several
 processes on a few cores: more threads only oversubscribe). Each model checks,
 when it compiles, that N equals its virtual IPUs × replicationFactor and every
 process stops with an error saying which N it needs. When a process fails, the
@@ -29,9 +31,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Run an ipukit script as N processes (one per virtual IPU per replica) "
                     "with torchrun.")
     p.add_argument("-n", "--nproc", required=True, metavar="N",
-                   help="processes: the model's virtual IPUs × replicationFactor")
+                   help="processes (per machine): the model's virtual IPUs × replicationFactor "
+                   "÷ machines")
     p.add_argument("-m", dest="module", metavar="MODULE", default=None,
                    help="run a module (like python -m) instead of a script")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M",
+                   help="machines (each runs this command with the same --rdzv-endpoint)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="rendezvous of a run over several machines (torchrun's c10d backend)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="process-group timeout (IPUKIT_DIST_TIMEOUT, default 300)")
     p.add_argument("script", nargs="?", help="the script to run")
@@ -60,14 +67,25 @@ def build_command(argv: List[str]) -> tuple:
             p.error(f"script {ns.script!r} not found")
         target = [ns.script] + list(ns.args)
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if ns.nnodes == 1:  # one machine: loopback (several machines must use a real interface)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
     if ns.timeout is not None:
         if ns.timeout <= 0:
             p.error(f"--timeout {ns.timeout}: expected seconds > 0")
         env["IPUKIT_DIST_TIMEOUT"] = str(ns.timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(n), "--monitor-interval", "0.2"] + target
+    if ns.nnodes < 1:
+        p.error(f"--nnodes {ns.nnodes}: expected an int >= 1")
+    if ns.nnodes > 1:
+        if not ns.rdzv_endpoint:
+            p.error(f"--nnodes {ns.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every "
+                    "machine) so that the machines can find each other")
+        launch = ["--nnodes", str(ns.nnodes), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", ns.rdzv_endpoint]
+    else:
+        launch = ["--standalone"]
+    cmd = ([sys.executable, "-m", "torch.distributed.run"] + launch
+           + ["--nproc-per-node", str(n), "--monitor-interval", "0.2"] + target)
     return cmd, env
 
 
