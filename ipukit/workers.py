@@ -15,6 +15,7 @@ Three small pieces, each usable and tested on its own:
 """
 from __future__ import annotations
 
+import _thread
 import signal
 import threading
 from contextlib import contextmanager
@@ -26,7 +27,12 @@ class Aborted(Exception):
 
 
 class Exchange:
-    """Mailboxes between workers: activations forward, gradients backward."""
+    """Mailboxes between workers: activations forward, gradients backward.
+
+    One slot per message key holding a raw lock, acquired while the slot is
+    empty: ``take`` blocks on it and ``put`` releases it, so a message wakes
+    only the worker waiting for it, with no Event or Condition per message.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -37,20 +43,29 @@ class Exchange:
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[key] = [None, threading.Event()]
-                if self._aborted:
-                    slot[1].set()
+                gate = _thread.allocate_lock()
+                if not self._aborted:
+                    gate.acquire()  # closed until the message arrives
+                slot = self._slots[key] = [None, gate]
             return slot
+
+    @staticmethod
+    def _open(gate) -> None:
+        try:
+            gate.release()
+        except RuntimeError:  # already open (an abort raced a put)
+            pass
 
     def put(self, key: tuple, value: Any) -> None:
         slot = self._slot(key)
         slot[0] = value
-        slot[1].set()
+        self._open(slot[1])
 
     def take(self, key: tuple) -> Any:
         slot = self._slot(key)
-        slot[1].wait()
+        slot[1].acquire()
         if self._aborted:
+            self._open(slot[1])  # let any other waiter through too
             raise Aborted()
         with self._lock:
             del self._slots[key]
@@ -60,7 +75,7 @@ class Exchange:
         with self._lock:
             self._aborted = True
             for slot in self._slots.values():
-                slot[1].set()
+                self._open(slot[1])
 
     @property
     def aborted(self) -> bool:
