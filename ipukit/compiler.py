@@ -40,7 +40,7 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         torch.manual_seed(opts.random_seed)
     strategy = opts.execution_strategy
     try:
-        part = _partition(model, micro[0], spec, strategy)
+        part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy)
     except TracingError as exc:
         if "dtype" not in str(exc):
             raise
@@ -63,6 +63,15 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         threads_per_worker=opts.cpu_threads_per_ipu,
         offload_optimizer=training and not opts.TensorLocations.on_chip("optimizer"),
         record=opts.record_timeline, compile_seconds=time.perf_counter() - started)
+
+
+def _on_weights_device(model: torch.nn.Module, sample: List[Any]) -> List[Any]:
+    """The trace sample on the device the weights are on (another model of the same
+    module may have moved them to CUDA already)."""
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or device.type == "cpu":
+        return sample
+    return [v.to(device) if isinstance(v, torch.Tensor) else v for v in sample]
 
 
 def _check_loss(part: partition.Partition, training: bool) -> None:

@@ -55,3 +55,12 @@ def test_cuda_event_spans_follow_the_pipeline():
         spans = sorted((e.start, e.end) for e in tl.events
                        if e.ipu == ipu and e.kind in ("forward", "backward"))
         assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+def test_a_second_model_of_a_module_already_on_cuda_compiles():
+    """A training model moved the shared weights to CUDA; an inference model of the same
+    module is traced with host inputs."""
+    model, _, tm = _train(2, [0, 1], 3, 1)
+    opts = ipukit.Options().deviceIterations(2).deviceMapping(["cuda:0"])
+    out = ipukit.inferenceModel(model, opts)(torch.randn(4, 8))
+    assert out.shape == (4, 4)
