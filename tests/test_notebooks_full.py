@@ -17,6 +17,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1", reason="full MNIST: set IPUKIT_SLOW=1")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
 def test_notebook_passes_its_checks_in_full_mode(path):
