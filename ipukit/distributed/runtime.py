@@ -16,10 +16,10 @@ runs here instead of on threads:
   torch's runtime only sends to the next stage;
 * ipukit's schedule (:meth:`~ipukit.schedule.Schedule.to_torch`) is run by
   torch's ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
-* after each iteration's flush, gradients are summed over the ``dp`` group
-  (an all-reduce of each stage's gradients, as DDP does after its last
-  backward) and scaled by PopTorch's Mean/Sum rule; every process steps the
-  user's optimiser on its own stages' weights;
+* with replicas, each stage runs under DDP in the ``dp`` group: torch's
+  pipeline stage keeps DDP from syncing until a step's last backward, then
+  DDP all-reduces (averages) the gradients; PopTorch's Mean/Sum rule scales
+  them, and every process steps the user's optimiser on its own stages' weights;
 * replicas start each call from replica 0's buffers (a broadcast in the dp group).
 
 :func:`maybe_run` is the one entry point the model wrapper needs; everything
@@ -521,6 +521,7 @@ class _Runtime:
                         "weights); as processes those would be two copies. Put the stages "
                         "that share it on one IPU, or run without ipukit-run.")
         self.buffers = [b for s in self.mine for b in part.stages[s].module.buffers()]
+        self.ddp = False  # set when a stage runs under DDP (replicas)
         carry = _carry_plan(part)
         n = part.num_stages
         self.ctx = _CallContext()
@@ -528,7 +529,7 @@ class _Runtime:
         self.stages = []
         for s in self.mine:
             body = _StageBody(self, s, carry[s], carry[s + 1] if s + 1 < n else [])
-            stage = stage_cls(body, s, n, self.device, group=self.pp_group)
+            stage = stage_cls(self._replicated(body), s, n, self.device, group=self.pp_group)
             stage._ipukit_rt = self
             self.stages.append(stage)
         self.M = c.schedule.micro_batches
@@ -561,6 +562,19 @@ class _Runtime:
         dist.barrier()
         self.t0 = time.perf_counter()
         self.call_index = 0
+
+    def _replicated(self, body: torch.nn.Module) -> torch.nn.Module:
+        """With replicas, the stage under DDP in the dp group (torch's pipeline stages drive it:
+        no gradient sync until a step's last backward, then one all-reduce)."""
+        if self.dp == 1 or not self.compiled.training \
+                or not any(p.requires_grad for p in body.parameters()):
+            return body
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = True
+        return DistributedDataParallel(
+            body, process_group=self.dp_group, broadcast_buffers=False, init_sync=False,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     # -- recording ----------------------------------------------------------------------------
     def span(self, stage: int, kind: str, micro_batch: int, start: float) -> None:
@@ -641,21 +655,19 @@ class _Runtime:
         return result
 
     def _step(self, iteration: int) -> None:
-        """Sum gradients over replicas, apply PopTorch's Mean/Sum, step this process's weights."""
-        import torch.distributed as dist
+        """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights.
 
+        Under DDP the gradients arrive averaged over the replicas (DDP's mean).
+        """
         c = self.compiled
         t_start = time.perf_counter()
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self.dp > 1 and grads:
-            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
-        window = self.M * self.dp
-        scale = (1.0 / window if c.reduction == ReductionType.Mean else 1.0) / self.loss_scaling
+        replicas = self.dp if self.ddp else 1  # DDP has divided by this already
+        if c.reduction == ReductionType.Mean:
+            scale = 1.0 / (self.M * (self.dp // replicas))
+        else:
+            scale = float(replicas)
+        scale /= self.loss_scaling
         if scale != 1.0:
             for g in grads:
                 g.mul_(scale)
