@@ -28,7 +28,7 @@ def launch(s: Sizes) -> dict:
         cfg_path, out_path = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "out.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-        env = dict(os.environ)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # a CPU (gloo) comparison everywhere
         env.pop("RANK", None), env.pop("WORLD_SIZE", None)
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
         proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", "2",

@@ -28,7 +28,9 @@ WORKER = os.path.join(HERE, "distributed_worker.py")
 def launch(tmp_path, nproc, scenario, timeout=240):
     out = tmp_path / scenario
     out.mkdir()
-    env = dict(os.environ, IPUKIT_TEST_OUT=str(out), IPUKIT_DIST_TIMEOUT="60")
+    # CPU runs (gloo), also on a machine with a GPU
+    env = dict(os.environ, IPUKIT_TEST_OUT=str(out), IPUKIT_DIST_TIMEOUT="60",
+               CUDA_VISIBLE_DEVICES="")
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", str(nproc),
@@ -283,7 +285,7 @@ def test_dataloader_share_too_small_is_a_clear_error():
 def test_tutorial_mnist_as_four_processes_learns_like_threads(data_root, tmp_path):
     """The seed tutorial's model, 4 stages as 4 processes, one epoch; then the same on threads."""
     out = tmp_path / "mnist.json"
-    env = dict(os.environ)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", "4",
