@@ -203,6 +203,12 @@ class PoplarExecutor(PopTorchMethods):
         t_call = time.perf_counter()
         if self._destroyed:
             raise ModelStateError(DESTROYED)
+        if self._options.Distributed.numProcesses > 1:  # launched by ipukit-run / torchrun
+            from .distributed import runtime as distributed
+
+            out = distributed.maybe_run(self, args, kwargs)
+            if out is not distributed.NOT_DISTRIBUTED:
+                return out
         flat, spec = self._flatten(args, kwargs)
         if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in flat):
             flat = _cast_doubles(flat)
@@ -233,48 +239,17 @@ class PoplarExecutor(PopTorchMethods):
             raise InputShapeError(f"{exc}\n{compiler.dtype_hint(program.input_names, flat, self._user_model)}"
                                   ) from exc
         t_gather = time.perf_counter()
-        result = self._outputs(program, runner.results, micro)
+        result = _outputs(program, runner.results, micro)
         if recorder is not None:
             self._anchored = recorder.results(program.output_mode, batching)
         self._calls += 1
         if program.record:
-            self._finish_timeline(runner, flat, batching, t_call, t_run, t_gather)
+            self._timeline = _call_timeline(self, runner, flat, t_call, t_run, t_gather)
+            if self._options.profile_dir:
+                from .profile import write_profile
+
+                write_profile(self._timeline, self._options.profile_dir, self)
         return result
-
-    def _outputs(self, program: Program, rows: List[list], micro: List[list]):
-        """The call's outputs, in the model's structure, per the output mode."""
-        part = program.partition
-        for j, ref in enumerate(part.outputs):
-            if ref.kind == "const":
-                for row in rows:
-                    row[j] = ref.value
-            elif ref.kind == "input":
-                for row, inputs in zip(rows, micro):
-                    row[j] = inputs[program.tensor_inputs[ref.index]]
-        flat_out = microbatch.gather(rows, program.output_mode, program.output_period,
-                                     program.batching)
-        return pytree.tree_unflatten(flat_out, part.out_spec)
-
-    def _finish_timeline(self, runner, flat, batching, t_call, t_run, t_gather) -> None:
-        samples = 0
-        for v in flat:
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                samples = v.shape[0]
-                break
-        tl = runner.timeline(samples)
-        now = time.perf_counter()
-        tl.events.insert(0, Event(-1, "host", -1, 0.0, t_run - t_call, -1, 0, 0, runner.call_index))
-        tl.events.append(Event(-1, "host", -1, t_gather - t_call, now - t_call, -1, 0,
-                               batching.device_iterations - 1, runner.call_index))
-        program = self._program
-        tl.meta["model"] = self._options.model_name or ("training" if self._training else "inference")
-        tl.meta["stage_ipus"] = list(program.schedule.stage_ipus)
-        tl.meta["blocks"] = [st.blocks for st in program.partition.stages]
-        self._timeline = tl
-        if self._options.profile_dir:
-            from .profile import write_profile
-
-            write_profile(tl, self._options.profile_dir, self)
 
     def _anchor_recorder(self, batching) -> Optional[anchors.AnchorRecorder]:
         wanted = self._options.anchored_tensors
@@ -283,6 +258,37 @@ class PoplarExecutor(PopTorchMethods):
         names = {id(p): n for n, p in self._user_model.named_parameters()}
         return anchors.AnchorRecorder(wanted.values(), self._program.trainable, names,
                                       batching.factor, batching.device_iterations)
+
+
+def _outputs(program: Program, rows: List[list], micro: List[list]):
+    """The call's outputs, in the model's structure, per the output mode."""
+    part = program.partition
+    for j, ref in enumerate(part.outputs):
+        if ref.kind == "const":
+            for row in rows:
+                row[j] = ref.value
+        elif ref.kind == "input":
+            for row, inputs in zip(rows, micro):
+                row[j] = inputs[program.tensor_inputs[ref.index]]
+    flat_out = microbatch.gather(rows, program.output_mode, program.output_period,
+                                 program.batching)
+    return pytree.tree_unflatten(flat_out, part.out_spec)
+
+
+def _call_timeline(wrapper: "PoplarExecutor", runner, flat, t_call, t_run, t_gather):
+    """The measured timeline of a call: the workers' spans plus the host's before and after."""
+    samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+    tl = runner.timeline(samples)
+    now = time.perf_counter()
+    program = wrapper.program
+    tl.events.insert(0, Event(-1, "host", -1, 0.0, t_run - t_call, -1, 0, 0, runner.call_index))
+    tl.events.append(Event(-1, "host", -1, t_gather - t_call, now - t_call, -1, 0,
+                           program.batching.device_iterations - 1, runner.call_index))
+    tl.meta["model"] = wrapper.options.model_name or ("training" if wrapper.training
+                                                      else "inference")
+    tl.meta["stage_ipus"] = list(program.schedule.stage_ipus)
+    tl.meta["blocks"] = [st.blocks for st in program.partition.stages]
+    return tl
 
 
 def _warn_other_loader(flat, model: "PoplarExecutor") -> None:

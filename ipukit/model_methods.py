@@ -92,9 +92,14 @@ class PopTorchMethods:
         self._attached = True
 
     def copyWeightsToHost(self) -> None:
-        """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
+        """Weights are shared with the host module: nothing to copy in one process. With stages
+        as processes, every process gets every stage's weights (a collective: call it on all)."""
         if self._program is None:
             raise ModelStateError(NOT_COMPILED)
+        if self._options.Distributed.numProcesses > 1:
+            from .distributed import runtime as distributed
+
+            distributed.synchronize_weights(self)
 
     def copyWeightsToDevice(self) -> None:
         """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
@@ -130,6 +135,7 @@ class PopTorchMethods:
         """
         self._destroyed = True
         self._program = None
+        self.__dict__.pop("_ipukit_distributed", None)
         self._attached = False
         from .model import forget_training_wrapper
 

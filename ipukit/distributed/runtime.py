@@ -81,35 +81,20 @@ class Compiled:
 
 
 def _compiled(model) -> Compiled:
-    """The compiled state of ``model`` (a PoplarExecutor); the only place that reads its internals.
-
-    Reads the model's ``Program`` (``model._program``) when it has one, else the
-    older ``_plan``/``_schedule``/``_output_mode`` attributes.
-    """
-    opts = model._options
-    program = model.__dict__.get("_program")
-    if program is not None:
-        return Compiled(partition=program.partition, schedule=program.schedule,
-                        batching=program.batching, output_mode=program.output_mode,
-                        output_period=program.output_period, training=program.training,
-                        optimizer=model._optimizer, options=opts,
-                        tensor_inputs=list(program.tensor_inputs), reduction=program.reduction,
-                        record=program.record, loss_stage=program.loss_stage,
-                        loss_item=program.loss_item, host_outputs=program.host_outputs,
-                        input_names=list(program.input_names))
-    plan = model._plan
-    return Compiled(partition=plan.partition, schedule=model._schedule,
-                    batching=model._batching(), output_mode=model._output_mode,
-                    output_period=opts.output_return_period, training=model._training,
-                    optimizer=model._optimizer, options=opts,
-                    tensor_inputs=list(plan.tensor_inputs), reduction=plan.reduction,
-                    record=plan.record, loss_stage=plan.loss_stage, loss_item=plan.loss_item,
-                    host_outputs=plan.host_outputs, input_names=list(model._input_names))
+    """The compiled state of ``model`` (a PoplarExecutor), read through its public face."""
+    program = model.program
+    return Compiled(partition=program.partition, schedule=program.schedule,
+                    batching=program.batching, output_mode=program.output_mode,
+                    output_period=program.output_period, training=program.training,
+                    optimizer=model.optimizer, options=model.options,
+                    tensor_inputs=list(program.tensor_inputs), reduction=program.reduction,
+                    record=program.record, loss_stage=program.loss_stage,
+                    loss_item=program.loss_item, host_outputs=program.host_outputs,
+                    input_names=list(program.input_names))
 
 
 def _is_compiled(model) -> bool:
-    d = model.__dict__
-    return (d.get("_program") if "_program" in d else model._plan) is not None
+    return model.program is not None
 
 
 def _compile(model, args, kwargs) -> None:
@@ -119,7 +104,7 @@ def _compile(model, args, kwargs) -> None:
     model compiles for the whole run's batching, so the inputs are repeated
     once per replica for the compile only (it traces one micro-batch).
     """
-    replicas = model._options.replication_factor
+    replicas = model.options.replication_factor
 
     def widen(v):
         if replicas > 1 and isinstance(v, torch.Tensor) and v.dim() > 0:
@@ -127,8 +112,7 @@ def _compile(model, args, kwargs) -> None:
         return v
 
     args, kwargs = pytree.tree_map(widen, (args, kwargs))
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    model._compile(flat, spec, args, kwargs)
+    model.compile(*args, **kwargs)
 
 
 # -- process group ------------------------------------------------------------------------
@@ -742,7 +726,7 @@ def _check_supported(model) -> None:
             "Options.anchorTensor: anchored tensors are not supported when stages run as "
             "processes yet; remove the anchors, or run in one process "
             "(Options.Distributed.disable()).")
-    low = [n for n, p in model._user_model.named_parameters()
+    low = [n for n, p in model.model.named_parameters()
            if p.dtype in (torch.float16, torch.bfloat16)]
     if low and c.training:
         raise DistributedError(
@@ -758,7 +742,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
     configured (torchrun's ``WORLD_SIZE``, or ``Options.Distributed.configureProcessId``)
     means this process runs its stages of the model with its peers.
     """
-    opts = model._options
+    opts = model.options
     if not is_active(opts):
         return NOT_DISTRIBUTED
     d = model.__dict__
