@@ -83,7 +83,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="micro-batches per optimiser step (default: 10)")
     add("--test-batch-size", type=int, default=8, help="test micro-batch size (default: 8)")
     add("--epochs", type=int, default=3, help="training epochs (default: 3)")
-    add("--learning-rate", type=float, default=0.001, help="AdamW learning rate (default: 0.001)")
+    add("--learning-rate", type=float, default=None,
+        help="AdamW learning rate (default: 0.001; for --model vit the peak of the one-cycle "
+             "schedule, 0.002)")
+    add("--lr-schedule", choices=["constant", "onecycle"], default=None,
+        help="learning rate per call: constant, or one cycle (warm up over the first 10%% of "
+             "the calls, then anneal to near 0) (default: constant; onecycle for --model vit)")
     add("--profile", action="store_true",
         help="write a Chrome trace and an HTML report of every call to --profile-dir")
     add("--profile-dir", default="./profile", help="profile folder (default: ./profile)")
@@ -222,8 +227,17 @@ def _loss_value(losses: torch.Tensor, args: argparse.Namespace) -> float:
 
 
 def train(model: ipukit.PoplarExecutor, loader: ipukit.DataLoader,
-          args: argparse.Namespace) -> None:
-    """The training loop: one model call per batch, loss and accuracy on the bar."""
+          args: argparse.Namespace, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """The training loop: one model call per batch, loss and accuracy on the bar.
+
+    With ``--lr-schedule onecycle`` the learning rate changes after every call and the
+    model is given the optimiser again (``setOptimizer``, as PopTorch required).
+    """
+    scheduler = None
+    if args.lr_schedule == "onecycle" and optimizer is not None:
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=args.learning_rate, total_steps=args.epochs * len(loader),
+            pct_start=0.1)
     for epoch in range(1, args.epochs + 1):
         print(f"Epoch {epoch}/{args.epochs}", flush=True)
         with tqdm(loader, total=len(loader), unit="call") as bar:
@@ -233,6 +247,9 @@ def train(model: ipukit.PoplarExecutor, loader: ipukit.DataLoader,
                 if args.output_mode != "sum":  # summed logits have no per-sample labels
                     postfix["accuracy"] = f"{accuracy(predictions, labels):.2f}%"
                 bar.set_postfix(postfix)
+                if scheduler is not None:
+                    scheduler.step()
+                    model.setOptimizer(optimizer)
 
 
 def test(model: ipukit.PoplarExecutor, loader: ipukit.DataLoader) -> float:
@@ -251,8 +268,13 @@ def run(args: argparse.Namespace) -> float:
     torch.manual_seed(args.seed)
     if args.debug:
         ipukit.setLogLevel(1)
+    vit = args.model == "vit"
     if args.batch_size is None:
-        args.batch_size = 16 if args.model == "vit" else 40
+        args.batch_size = 16 if vit else 40
+    if args.lr_schedule is None:
+        args.lr_schedule = "onecycle" if vit else "constant"
+    if args.learning_rate is None:
+        args.learning_rate = 0.002 if vit else 0.001
     ipu_config = load_ipu_config(args)
     train_opts = training_options(args, ipu_config)
     test_opts = inference_options(train_opts, args, ipu_config)
@@ -275,7 +297,7 @@ def run(args: argparse.Namespace) -> float:
     print("Compiling...", flush=True)
     training_model.compile(*first_batch(train_loader))
     print("Training...", flush=True)
-    train(training_model, train_loader, args)
+    train(training_model, train_loader, args, optimizer)
     training_model.detachFromDevice()
     if args.model == "vit":  # placed again by the inference twins (inference_layers_per_ipu)
         network.parallelize(ipu_config.eval())
