@@ -414,6 +414,8 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
             legendgroup="idle", showlegend=(col == 1),
             hovertemplate="idle %{base} → %{x} units<extra></extra>"), row=1, col=col)
         for trace in _timeline_traces(tl, legend=(col == 1)):
+            if trace.name == LABELS["step"]:
+                continue                    # an idealised grid has no optimiser step
             trace.y = [rename.get(y, y) for y in trace.y]
             trace.base = [b / 1e3 for b in trace.base]     # units, not ms
             trace.x = [w / 1e3 for w in trace.x]

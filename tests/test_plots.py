@@ -120,6 +120,7 @@ def test_schedule_grid_shows_both_schedules_bubble_and_stash():
     rows = [list(fig.layout.yaxis.categoryarray), list(fig.layout.yaxis2.categoryarray)]
     assert rows[0] == [f"stage {s} · holds {M}" for s in range(N)]         # GPipe stashes M
     assert rows[1] == [f"stage {s} · holds {N - s}" for s in range(N)]     # 1F1B stashes N - s
+    assert not [t for t in fig.data if t.name == plots.LABELS["step"]]     # no host row
     forwards = [t for t in fig.data if t.name == "forward"]
     assert sorted(forwards[0].text, key=int) == sorted([str(m) for m in range(M)] * N, key=int)
 
