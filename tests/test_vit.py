@@ -153,8 +153,8 @@ def test_script_reports_a_bad_config(tmp_path, capsys):
 @pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1", reason="full epochs: set IPUKIT_SLOW=1")
 def test_vit_reaches_97_percent_on_mnist(data_root):
     start = time.time()
-    args = mnist_pipeline.parse_args(["--model", "vit", "--epochs", "5", "--data", data_root])
+    args = mnist_pipeline.parse_args(["--model", "vit", "--epochs", "3", "--data", data_root])
     accuracy = mnist_pipeline.run(args)
-    print(f"ViT, 5 epochs pipelined over 4 virtual IPUs: {accuracy:.2f}% in "
+    print(f"ViT, 3 epochs pipelined over 4 virtual IPUs: {accuracy:.2f}% in "
           f"{time.time() - start:.0f} s")
     assert accuracy >= 97.0
