@@ -106,6 +106,7 @@ class PoplarExecutor(PopTorchMethods):
         d["_anchored"] = {}
         d["_positional_specs"] = {}
         d["_destroyed"] = False
+        d["_snapshot"] = StateSnapshot()
         if training:
             _TRAINING_WRAPPERS[model] = weakref.ref(self)
 
@@ -225,7 +226,7 @@ class PoplarExecutor(PopTorchMethods):
         batching = program.batching
         micro = microbatch.split(flat, batching, program.input_names)
         program.prepare_replicas(batching.replicas)
-        snapshot = StateSnapshot(self._user_model, self._optimizer, weights=self._training)
+        snapshot = self._snapshot.capture(self._user_model, self._optimizer, self._training)
         recorder = self._anchor_recorder(batching)
         runner = CallRunner(program, program.schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,

@@ -113,24 +113,49 @@ def step(optimizer, grads: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]], s
 
 
 class StateSnapshot:
-    """Copies of weights, buffers and optimiser state, to undo a failed call."""
+    """Copies of weights, buffers and optimiser state, to undo a failed call.
 
-    def __init__(self, module: torch.nn.Module, optimizer, weights: bool) -> None:
-        with torch.no_grad():
-            self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
-            self.params = ([(p, p.detach().clone()) for p in module.parameters()]
-                           if weights else [])
-        self.optimizer = optimizer
+    A model keeps one from call to call: each :meth:`capture` copies into the
+    storage of the previous one, so making a call undoable costs one copy of
+    the state and no allocation (fresh tensors every call cost page faults too).
+    """
+
+    def __init__(self) -> None:
+        self._store: Dict[tuple, torch.Tensor] = {}
+        self.tensors: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.optimizer = None
         self.opt_state: Optional[dict] = None
-        if weights and optimizer is not None:
-            self.opt_state = {p: {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                                  for k, v in st.items()}
-                              for p, st in optimizer.state.items()}
-            self.step_counts = [g.get("step") for g in optimizer.param_groups]
+        self.step_counts: list = []
+
+    def _copy(self, key: tuple, t: torch.Tensor, used: dict) -> torch.Tensor:
+        saved = self._store.get(key)
+        if saved is None or saved.shape != t.shape or saved.dtype != t.dtype \
+                or saved.device != t.device:
+            saved = t.detach().clone()
+        else:
+            saved.copy_(t)
+        used[key] = saved
+        return saved
+
+    def capture(self, module: torch.nn.Module, optimizer, weights: bool) -> "StateSnapshot":
+        used: Dict[tuple, torch.Tensor] = {}
+        with torch.no_grad():
+            live = list(module.buffers()) + (list(module.parameters()) if weights else [])
+            self.tensors = [(t, self._copy(("t", id(t)), t, used)) for t in live]
+            self.optimizer = optimizer
+            self.opt_state = None
+            if weights and optimizer is not None:
+                self.opt_state = {p: {k: (self._copy(("o", id(p), k), v, used)
+                                          if torch.is_tensor(v) else v)
+                                      for k, v in st.items()}
+                                  for p, st in optimizer.state.items()}
+                self.step_counts = [g.get("step") for g in optimizer.param_groups]
+        self._store = used  # tensors that are gone are forgotten
+        return self
 
     def restore(self) -> None:
         with torch.no_grad():
-            for live, saved in self.buffers + self.params:
+            for live, saved in self.tensors:
                 if live.dtype != saved.dtype:  # a failed float32 update left float32 data
                     live.data = saved.clone()
                 else:
