@@ -488,11 +488,23 @@ class PipelineExplorer:
                              f" output), {record['samples_per_s']:,.0f} samples/s.")
         drawn, note = logic.clip_for_drawing(timeline)
         title = f"Latest call (call {record['call']})" + (f" ({note})" if note else "")
-        update_figure(self.measured_utilisation_figure,
-                      plots.utilisation_figure(timeline, title=f"Utilisation per virtual IPU "
-                                                               f"(call {record['call']})"))
-        update_figure(self.training_figure, plots.loss_accuracy_figure(self.history))
-        update_figure(self.measured_timeline_figure, plots.timeline_figure(drawn, title=title))
+        self._measured_figures = {
+            "measured utilisation": plots.utilisation_figure(
+                timeline, title=f"Utilisation per virtual IPU (call {record['call']})"),
+            "training": plots.loss_accuracy_figure(self.history),
+            "measured timeline": plots.timeline_figure(drawn, title=title)}
+        for name, figure in self._measured_figures.items():
+            update_figure(self.figures[name], figure)
+
+    def redraw(self) -> None:
+        """Send every figure to the front end again.
+
+        For a notebook that drives the dashboard from code right after displaying it:
+        a FigureWidget view still being created in the browser can miss updates.
+        """
+        self.refresh()
+        for name, figure in getattr(self, "_measured_figures", {}).items():
+            update_figure(self.figures[name], figure)
 
     def close(self) -> None:
         """Stop any run and close the widgets."""
