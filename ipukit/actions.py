@@ -45,6 +45,12 @@ class ActionRunner:
         # autograd graphs stay connected and one backward pass serves them all, as in
         # a plain PyTorch loop; gradient hooks at stage boundaries time each stage.
         self.fused = fused and plan.training
+        # On one thread with no replica or anchor to tell micro-batches apart, the fused
+        # backward accumulates straight into ``p.grad`` (autograd reuses those buffers
+        # instead of allocating fresh gradients every micro-batch, as a plain loop does);
+        # float32 weights only, so half-precision gradients still accumulate in float32.
+        self.grads_in_params = (self.fused and replicas == 1 and anchors is None and
+                                all(p.dtype == torch.float32 for ps in plan.trainable for p in ps))
         self.clock = GpuClock()
         self._all_params = [p for params in plan.trainable for p in params]
 
@@ -134,17 +140,18 @@ class ActionRunner:
         start = time.perf_counter()
         loss = self._loss_seed(outs[plan.loss_stage])
         params = self._all_params
-        if loss is not None and params:
-            result = torch.autograd.grad([loss], params, [torch.full_like(loss, self.loss_scaling)],
-                                         allow_unused=True)
+        seed = None if loss is None else [torch.full_like(loss, self.loss_scaling)]
+        if loss is not None and params and self.grads_in_params:
+            torch.autograd.backward([loss], seed, inputs=params)
         else:
-            result = [None] * len(params)
-        first = 0
-        for s in range(n):
-            count = len(plan.trainable[s])
-            self._accumulate(a._replace(stage=s), replica, plan.trainable[s],
-                             result[first:first + count])
-            first += count
+            result = (torch.autograd.grad([loss], params, seed, allow_unused=True)
+                      if loss is not None and params else [None] * len(params))
+            first = 0
+            for s in range(n):
+                count = len(plan.trainable[s])
+                self._accumulate(a._replace(stage=s), replica, plan.trainable[s],
+                                 result[first:first + count])
+                first += count
         if plan.record and params and params[0].device.type == "cuda":
             torch.cuda.synchronize(params[0].device)  # one pass for every stage: time its work
         end = time.perf_counter()
@@ -196,6 +203,14 @@ class ActionRunner:
             if ref.kind == "stage":
                 self.exchange.put(("G", ref.index, s, pos, a.iteration, a.micro_batch, replica), g)
         return ready, end
+
+    def collect_param_grads(self) -> None:
+        """Move gradients accumulated in ``p.grad`` (see ``grads_in_params``) to the accumulators."""
+        for s, params in enumerate(self.plan.trainable):
+            acc = self.accumulators[(0, s)]
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    acc[i], p.grad = p.grad, None
 
     def _accumulate(self, a: Action, replica: int, params, grads: Sequence) -> None:
         acc = self.accumulators[(replica, a.stage)]

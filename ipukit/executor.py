@@ -93,6 +93,8 @@ class CallRunner:
         """Combine accumulated gradients (Mean or Sum) and step the optimiser once."""
         plan = self.plan
         t_start = time.perf_counter()
+        if self.actions.grads_in_params:
+            self.actions.collect_param_grads()
         grads = update.reduce_gradients(self.accumulators, plan.trainable, self.replicas)
         scale = update.gradient_scale(plan.reduction, self.schedule.micro_batches * self.replicas,
                                       self.loss_scaling)
@@ -142,6 +144,10 @@ class CallRunner:
 
     def _run_inline(self) -> None:
         """A single worker runs on the calling thread (no hand-offs at all)."""
+        if self.actions.grads_in_params:  # the call's backward adds into p.grad: start clean
+            for params in self.plan.trainable:
+                for p in params:
+                    p.grad = None
         events: List[Event] = []
         self.events.append(events)
         threads = self.plan.threads_per_worker
