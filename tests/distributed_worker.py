@@ -85,7 +85,8 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
     micro = 2
     batches = data(calls, replicas, ga=ga)
     replica = RANK // (WORLD // replicas)
-    dist_model = ipd.trainingModel(
+    # ipukit's own trainingModel: under a launch it runs as processes (the same call as on threads)
+    dist_model = poptorch.trainingModel(
         net, options(mode, True, replicas=replicas, schedule=schedule, stages=stages, ga=ga),
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     thr_model = poptorch.trainingModel(
@@ -107,7 +108,7 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         t_inf = poptorch.inferenceModel(ref, _plain(replicas))(x, y)
         after["inference_after_training"] = maxdiff(d_inf[0], share(t_inf[0], replica, replicas,
                                                                       mb))
-    dist_model.synchronize_weights()
+    dist_model.copyWeightsToHost()  # PopTorch's name: every stage's weights on every process
     result = {**after, "weights": max(maxdiff(p, q) for p, q in zip(net.parameters(), ref.parameters())),
               "buffers": max([maxdiff(p, q) for p, q in zip(net.buffers(), ref.buffers())
                               if p.is_floating_point()] or [0.0])}
@@ -125,7 +126,7 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         result.setdefault("shapes", []).append([list(do.shape), list(dl.shape),
                                                 list(to.shape), list(tl.shape)])
     result["outputs"], result["losses"] = max(outs), max(losses)
-    result["runner"] = type(dist_model._executor.__dict__["_ipukit_distributed"].runner).__name__
+    result["runner"] = type(dist_model.__dict__["_ipukit_distributed"].runner).__name__
     tl = dist_model.getTimeline()
     if RANK == 0:
         tracks = {}
