@@ -104,7 +104,7 @@ def utilisation_ratios(model, tl: Timeline, compute: Dict[str, List[float]]) -> 
     run: one stage at a time, nothing to wait for), modeled wall ÷ measured
     wall — the same as true measured utilisation ÷ modeled utilisation.
     """
-    sched = model._schedule
+    sched = model.program.schedule
     args = (sched.kind, sched.num_stages, sched.micro_batches)
     own = ipukit.simulate(*args, **ipukit.costs_from(tl), schedule=sched)
     wait_free = ipukit.simulate(*args, **compute, schedule=sched)
@@ -131,7 +131,7 @@ def _recording(model, x, y, into: List[Timeline], cpu: Optional[List[float]] = N
 
 def _core_capped(model, compute: Dict[str, List[float]], timelines: List[Timeline]) -> float:
     """Modeled wall, but never below the call's compute spread over this machine's cores."""
-    sched = model._schedule
+    sched = model.program.schedule
     modeled = ipukit.simulate(sched.kind, sched.num_stages, sched.micro_batches, **compute,
                               schedule=sched).wall_time
     work = sched.micro_batches * (sum(compute["forward_cost"]) + sum(compute["backward_cost"]))

@@ -29,12 +29,9 @@ from .schedule import Schedule
 from .timeline import Event, Timeline
 from .workers import Aborted, Exchange, InterruptGuard, Pool
 
-__all__ = ["Aborted", "CallRunner", "Exchange", "Plan", "StateSnapshot", "default_threads"]
+__all__ = ["Aborted", "CallRunner", "Exchange", "StateSnapshot", "default_threads"]
 
 StateSnapshot = update.StateSnapshot
-
-
-Plan = Program  # the executor reads a compiled Program (its older name)
 
 
 def default_threads(workers: int) -> int:

@@ -626,7 +626,7 @@ class IPUStrategy(ParallelStrategy):
             raise PipelineConfigError(str(exc) + hint) from None
         finally:
             calls, _log_state.calls = _log_state.calls, None
-        stages = model._plan.partition.num_stages
+        stages = model.program.partition.num_stages
         if calls and stages > 1:
             step = model.model.step
             names = ", ".join(sorted({repr(n) for _, n in calls if n})) or "values"

@@ -160,12 +160,6 @@ class PoplarExecutor(PopTorchMethods):
         """What compiling produced (stages, schedule, batching, ...); None before compiling."""
         return self._program
 
-    # transitional names for code written before Program (read model.program instead)
-    _plan = property(lambda self: self._program)
-    _schedule = property(lambda self: None if self._program is None else self._program.schedule)
-    _output_mode = property(lambda self: self._program.output_mode)
-    _input_names = property(lambda self: list(self._program.input_names))
-
     # -- compilation -----------------------------------------------------------
     def _batching(self) -> microbatch.Batching:
         o = self._options
