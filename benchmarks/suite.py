@@ -42,12 +42,12 @@ def overhead(s: Sizes) -> dict:
     one, ten = _tutorial_overhead(s)
     fixed = _fixed_overhead(s)
     rows = [row("overhead", "single-stage step ÷ plain PyTorch step (DI 1)", one["ratio"], "×",
-                "≤ 1.03", verdict(one["ratio"], one["noise"], 1.03),
+                "≤ 1.02", verdict(one["ratio"], one["noise"], 1.02),
                 f"{one['ipukit'] * 1e3:.2f} ms vs {one['plain'] * 1e3:.2f} ms; "
                 f"{_noise(one['noise'])}; timeline host "
                 f"spans {one['host'] * 1e3:.2f} ms/call"),
             row("overhead", "single-stage step ÷ plain PyTorch step (DI 10)", ten["ratio"], "×",
-                "≤ 1.03", verdict(ten["ratio"], ten["noise"], 1.03),
+                "≤ 1.02", verdict(ten["ratio"], ten["noise"], 1.02),
                 f"{ten['ipukit'] * 1e2:.2f} ms vs {ten['plain'] * 1e2:.2f} ms per step; "
                 f"{_noise(ten['noise'])}"),
             row("overhead", "fixed cost per call (4×4 linear model)", fixed["extra"] * 1e6, "µs",

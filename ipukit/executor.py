@@ -81,7 +81,7 @@ class CallRunner:
         self.actions = ActionRunner(plan, schedule.micro_batches, micro_inputs, replicas,
                                     self.exchange, self.results, self.accumulators,
                                     self.loss_scaling, float32_accumulation, anchors, keep_rows,
-                                    fused=schedule.sequential)
+                                    fused=schedule.sequential or self.workers == 1)
         self.events: List[List[Event]] = []
         self.steps_done = 0
         self.guard = InterruptGuard()
