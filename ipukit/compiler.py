@@ -139,7 +139,7 @@ def build_schedule(part: partition.Partition, strategy, opts: Options,
     stage_ipus = [st.ipu for st in part.stages]
     sharded = isinstance(strategy, ShardedExecution) and n > 1
     if training:
-        kind = "sharded" if sharded else o.pipeline_schedule.lower()
+        kind = "sharded" if sharded else schedules.kind_of(o.pipeline_schedule)
         return schedules.build(kind, n, o.Training.gradient_accumulation,
                                o.device_iterations, stage_ipus)
     kind = "sharded-inference" if sharded else "inference"

@@ -27,7 +27,9 @@ from .enums import (ConnectionType, MeanReductionStrategy, OutputMode, Reduction
 from .errors import FrozenOptionsError, OptionsError, UnknownOptionError
 from .strategies import PipelinedExecution, ShardedExecution
 
-SCHEDULES = ("1F1B", "GPipe")
+from .schedule import PIPELINED_KINDS, kind_of
+
+SCHEDULES = tuple(PIPELINED_KINDS.values())
 
 
 def _positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> int:
@@ -486,18 +488,28 @@ class Options(_OptionGroup):
 
     # -- ipukit's additions ---------------------------------------------------
     def pipelineSchedule(self, schedule: str) -> "Options":
-        """ipukit: the training schedule of a pipelined model: ``"1F1B"`` or ``"GPipe"``.
+        """ipukit: the training schedule of a pipelined model (see :mod:`ipukit.schedules`).
 
         ``"1F1B"`` (the default) runs, in the steady state, one forward then one
         backward on each IPU, as PopART did; ``"GPipe"`` runs all forwards of an
-        accumulation window, then all backwards.
+        accumulation window, then all backwards. ``"Interleaved1F1B"`` and
+        ``"LoopedBFS"`` run several stages per IPU placed in a loop
+        (stage s on IPU s mod P); ``"ZBH1"`` splits each backward into an
+        input-gradient and a weight-gradient action and fills the bubble with the
+        latter; ``"ZBV"`` and ``"DualPipeV"`` do so with two stages per IPU placed
+        in a V (IPU i holds stages i and 2P−1−i). torch.distributed.pipelining's
+        names (``"interleaved-1f1b"``, ``"ZBVZeroBubble"``…) are accepted too.
         """
         self._check_not_frozen(f"pipelineSchedule({schedule!r})")
-        for name in SCHEDULES:
-            if isinstance(schedule, str) and schedule.lower() == name.lower():
-                self.pipeline_schedule = name
-                return self
-        raise OptionsError(f"Options.pipelineSchedule({schedule!r}): use one of {list(SCHEDULES)}.")
+        kind = kind_of(schedule) if isinstance(schedule, str) else None
+        if kind is None and isinstance(schedule, str):
+            alias = {"zbvzerobubble": "zbv", "interleavedzerobubble": "zb-h1"}
+            kind = alias.get(schedule.lower().replace("-", "").replace("_", ""))
+        if kind in PIPELINED_KINDS:
+            self.pipeline_schedule = PIPELINED_KINDS[kind]
+            return self
+        raise OptionsError(f"Options.pipelineSchedule({schedule!r}): use one of "
+                           f"{list(SCHEDULES)}.")
 
     def deviceMapping(self, devices: Union[Sequence[Union[str, torch.device]], Dict[int, Any]]):
         """ipukit: the torch device of each virtual IPU.

@@ -33,11 +33,31 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-KINDS = ("gpipe", "1f1b", "sharded", "inference", "sharded-inference")
+#: The pipelined training schedules (see :mod:`ipukit.schedules`), by ipukit kind, with the
+#: name ``Options.pipelineSchedule`` takes (torch's class name without ``Schedule``).
+PIPELINED_KINDS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+                   "looped-bfs": "LoopedBFS", "zb-h1": "ZBH1", "zbv": "ZBV",
+                   "dualpipev": "DualPipeV"}
+KINDS = tuple(PIPELINED_KINDS) + ("sharded", "inference", "sharded-inference")
 FORWARD, BACKWARD, STEP = "F", "B", "S"
 INPUT_GRAD, WEIGHT_GRAD = "I", "W"
 ACTION_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, STEP)
 _ACTION = re.compile(r"^\s*(\d+)([FBIWS])(\d*)\s*$")
+
+
+def kind_of(name: str) -> Optional[str]:
+    """The schedule kind ``name`` means (``"ZBV"``, ``"zbv"``, ``"Interleaved1F1B"``,
+    ``"interleaved-1f1b"``), or None; case, ``-`` and ``_`` do not matter."""
+    if not isinstance(name, str):
+        return None
+    key = re.sub(r"[-_\s]", "", name.lower())
+    for kind, title in PIPELINED_KINDS.items():
+        if key in (kind.replace("-", ""), title.lower()):
+            return kind
+    for kind in KINDS:
+        if key == kind.replace("-", ""):
+            return kind
+    return None
 
 
 class ScheduleError(ValueError):

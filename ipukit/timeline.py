@@ -11,11 +11,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional
 
-KIND_NAMES = {"F": "forward", "B": "backward", "S": "step"}
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-grad", "W": "weight-grad", "S": "step"}
 #: Work that makes a virtual IPU busy. The optimiser step is not among them: ipukit runs it
 #: once, on the host, for every stage's weights (the executor and the model both record one
 #: ``step`` event per stage with the same span), so during a step every virtual IPU waits.
-COMPUTE_KINDS = ("forward", "backward")
+COMPUTE_KINDS = ("forward", "backward", "input-grad", "weight-grad")
+#: The kinds that end a micro-batch's backward pass on a stage (a full backward, or the
+#: weight-gradient half of a split one: the activations are held until then).
+BACKWARD_END_KINDS = ("backward", "weight-grad")
 #: Work on the host while the virtual IPUs wait for it.
 HOST_KINDS = ("host", "transfer")
 
@@ -255,9 +258,9 @@ class Timeline:
                 continue
             if e.kind == "forward":
                 by_stage.setdefault(e.stage, []).append((e.start, 1))
-            elif e.kind == "backward":
+            elif e.kind in BACKWARD_END_KINDS:
                 by_stage.setdefault(e.stage, []).append((e.end, -1))
-        training = any(e.kind == "backward" for e in self.events)
+        training = any(e.kind in BACKWARD_END_KINDS for e in self.events)
         for stage, marks in sorted(by_stage.items()):
             if not training:
                 out[stage] = 1 if marks else 0
@@ -270,16 +273,26 @@ class Timeline:
         return out
 
     def stage_costs(self, statistic: str = "median") -> Dict[str, List[float]]:
-        """Per-stage forward/backward/step times, for :func:`ipukit.simulate`."""
+        """Per-stage forward/backward/step times, for :func:`ipukit.simulate`.
+
+        A split backward (``input-grad`` then ``weight-grad``) counts as one
+        backward of their summed cost, and its halves are reported too.
+        """
         import statistics
 
         agg = getattr(statistics, statistic)
         stages = sorted({e.stage for e in self.device_events() if e.stage >= 0})
         out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
-        for kind in out:
+        split = any(e.kind == "input-grad" for e in self.events)
+        kinds = list(out) + (["input-grad", "weight-grad"] if split else [])
+        for kind in kinds:
+            out[kind] = []
             for s in stages:
                 d = [e.duration for e in self.events if e.stage == s and e.kind == kind]
                 out[kind].append(agg(d) if d else 0.0)
+        if split:
+            out["backward"] = [b if b else i + w for b, i, w in
+                               zip(out["backward"], out["input-grad"], out["weight-grad"])]
         return out
 
     def shifted(self, offset: float) -> "Timeline":
