@@ -271,14 +271,24 @@ def stage_program(kind: str, stage: int, num_stages: int, micro_batches: int) ->
 
 def build(kind: str, num_stages: int, micro_batches: int, iterations: int = 1,
           stage_ipus: Optional[Sequence[int]] = None) -> Schedule:
-    """Build the schedule of a call: ``iterations`` × an accumulation window."""
-    kind = kind.lower()
+    """Build the schedule of a call: ``iterations`` × an accumulation window.
+
+    ``kind`` is one of :data:`KINDS` (or a name :func:`kind_of` reads); the
+    modern kinds come from :mod:`ipukit.schedules`, which checks the placement
+    they need. Every built schedule with a generated order is validated.
+    """
+    name = kind
+    kind = kind_of(kind) or str(kind).lower()
     if kind not in KINDS:
-        raise ValueError(f"schedule kind {kind!r}: use one of {list(KINDS)}")
+        raise ValueError(f"schedule kind {name!r}: use one of {list(KINDS)}")
     N, M = int(num_stages), int(micro_batches)
     if N < 1 or M < 1 or iterations < 1:
         raise ValueError("num_stages, micro_batches and iterations must be >= 1")
-    stage_ipus = list(stage_ipus) if stage_ipus is not None else list(range(N))
+    stage_ipus = list(stage_ipus) if stage_ipus is not None else None
+    if stage_ipus is None:
+        from .schedules import placement
+
+        stage_ipus = placement(kind, N) if kind in PIPELINED_KINDS else list(range(N))
     training = "inference" not in kind
     if kind.startswith("sharded"):
         lane: List[Action] = []
@@ -290,21 +300,38 @@ def build(kind: str, num_stages: int, micro_batches: int, iterations: int = 1,
             if training:
                 lane += [Action(STEP, s, -1, it) for s in range(N)]
         return Schedule(kind, N, M, iterations, stage_ipus, [lane], [None])
-    per_stage = []
-    new = tuple.__new__  # building tens of thousands of actions: skip NamedTuple.__new__
-    for s in range(N):
-        actions: List[Action] = []
-        program = stage_program(kind, s, N, M)
-        for it in range(iterations):
-            actions += [new(Action, (k, s, m, it)) for k, m in program]
-            if training:
-                actions.append(Action(STEP, s, -1, it))
-        per_stage.append(actions)
     ipus = sorted(set(stage_ipus))
-    if len(ipus) == N and all(stage_ipus[s] == ipus[s] for s in range(N)):
-        return Schedule(kind, N, M, iterations, stage_ipus, per_stage, ipus)
-    return Schedule(kind, N, M, iterations, stage_ipus,
-                    _merge_on_ipus(per_stage, stage_ipus, ipus), ipus)
+    new = tuple.__new__  # building tens of thousands of actions: skip NamedTuple.__new__
+    if kind in ("gpipe", "1f1b", "inference", "zb-h1"):
+        if kind == "zb-h1":
+            from .schedules import lanes_for
+
+            programs = [[(k, m) for k, _, m in ops] for ops in lanes_for(kind, N, M, stage_ipus)]
+        else:
+            programs = [stage_program(kind, s, N, M) for s in range(N)]
+        per_stage = []
+        for s in range(N):
+            actions: List[Action] = []
+            for it in range(iterations):
+                actions += [new(Action, (k, s, m, it)) for k, m in programs[s]]
+                if training:
+                    actions.append(Action(STEP, s, -1, it))
+            per_stage.append(actions)
+        if len(ipus) == N and all(stage_ipus[s] == ipus[s] for s in range(N)):
+            return Schedule(kind, N, M, iterations, stage_ipus, per_stage, ipus)
+        return Schedule(kind, N, M, iterations, stage_ipus,
+                        _merge_on_ipus(per_stage, stage_ipus, ipus), ipus).validate()
+    from .schedules import lanes_for
+
+    lanes = []
+    for ops in lanes_for(kind, N, M, stage_ipus):
+        stages = sorted({s for _, s, _ in ops})
+        lane = []
+        for it in range(iterations):
+            lane += [new(Action, (k, s, m, it)) for k, s, m in ops]
+            lane += [Action(STEP, s, -1, it) for s in stages]
+        lanes.append(lane)
+    return Schedule(kind, N, M, iterations, stage_ipus, lanes, ipus).validate()
 
 
 def _merge_on_ipus(per_stage: List[List[Action]], stage_ipus: Sequence[int],
