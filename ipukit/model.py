@@ -29,7 +29,7 @@ from .executor import CallRunner, StateSnapshot
 from .model_methods import DESTROYED, PopTorchMethods, ipu_only_method
 from .options import Options
 from .program import Program
-from .timeline import Event
+from .timeline import Event, Timeline
 
 
 def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
@@ -203,6 +203,7 @@ class PoplarExecutor(PopTorchMethods):
 
             out = distributed.maybe_run(self, args, kwargs)
             if out is not distributed.NOT_DISTRIBUTED:
+                self._keep_timeline(distributed.last_timeline(self))
                 return out
         flat, spec = self._flatten(args, kwargs)
         if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in flat):
@@ -239,12 +240,19 @@ class PoplarExecutor(PopTorchMethods):
             self._anchored = recorder.results(program.output_mode, batching)
         self._calls += 1
         if program.record:
-            self._timeline = _call_timeline(self, runner, flat, t_call, t_run, t_gather)
-            if self._options.profile_dir:
-                from .profile import write_profile
-
-                write_profile(self._timeline, self._options.profile_dir, self)
+            self._keep_timeline(_call_timeline(self, runner, flat, t_call, t_run, t_gather))
         return result
+
+    def _keep_timeline(self, timeline: Optional[Timeline]) -> None:
+        """The last call's timeline (``getTimeline()``), written out when ``profileDir`` is set
+        (with stages as processes, by process 0 only: its timeline holds every process's)."""
+        if timeline is None:
+            return
+        self._timeline = timeline
+        if self._options.profile_dir and timeline.meta.get("gathered", True):
+            from .profile import write_profile
+
+            write_profile(timeline, self._options.profile_dir, self)
 
     def _anchor_recorder(self, batching) -> Optional[anchors.AnchorRecorder]:
         wanted = self._options.anchored_tensors

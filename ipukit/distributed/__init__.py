@@ -126,10 +126,7 @@ class DistributedModel:
         object.__setattr__(self, "_executor", executor)
 
     def __call__(self, *args, **kwargs):
-        out = maybe_run(self._executor, args, kwargs)
-        if out is NOT_DISTRIBUTED:
-            return self._executor(*args, **kwargs)
-        return out
+        return self._executor(*args, **kwargs)  # runs as processes when launched
 
     def synchronize_weights(self) -> None:
         """Every process gets every stage's latest weights (call on all processes)."""

@@ -46,10 +46,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _split_module(argv: List[str]) -> tuple:
+    """(launcher's arguments, the module's arguments): like ``python -m``, everything after
+    ``-m MODULE`` belongs to the module (its own ``--flags`` included)."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "-m" and i + 1 < len(argv):
+            return argv[:i + 2], argv[i + 2:]
+        if arg.startswith("-m") and len(arg) > 2 and not arg.startswith("--"):
+            return argv[:i + 1], argv[i + 1:]
+        if not arg.startswith("-") and (i == 0 or argv[i - 1] not in _VALUED):
+            break  # the script: the rest are its arguments
+    return argv, None
+
+
+_VALUED = {"-n", "--nproc", "--nnodes", "--rdzv-endpoint", "--timeout"}
+
+
 def build_command(argv: List[str]) -> tuple:
     """(command, environment) for ``argv``; raises SystemExit with a one-line message on bad input."""
     p = _parser()
+    argv, module_args = _split_module(argv)
     ns = p.parse_args(argv)
+    if module_args is not None:
+        ns.script, ns.args = None, module_args
     try:
         n = int(ns.nproc)
     except ValueError:
@@ -59,7 +80,7 @@ def build_command(argv: List[str]) -> tuple:
                 "replicationFactor (e.g. --nproc 4 for 2 stages × 2 replicas)")
     target: List[str]
     if ns.module:
-        target = ["-m", ns.module] + ([ns.script] if ns.script else []) + list(ns.args)
+        target = ["-m", ns.module] + list(ns.args)
     else:
         if not ns.script:
             p.error("give the script to run (ipukit-run --nproc N script.py ...) or -m MODULE")

@@ -27,9 +27,6 @@ it reads of the compiled model goes through :func:`_compiled`.
 """
 from __future__ import annotations
 
-import datetime
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -39,25 +36,18 @@ from torch.utils import _pytree as pytree
 
 from .. import microbatch
 from ..enums import ReductionType
-from ..errors import Error
 from ..timeline import Event, KIND_NAMES, Timeline
+from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure,
+                    ensure_process_group, is_active)
+from .stages import CallContext, StageBody, carry_plan, process_lanes, schedule_runner, \
+    timed_stage_class
+
+__all__ = ["NOT_DISTRIBUTED", "DistributedError", "is_active", "ensure_process_group",
+           "maybe_run", "synchronize_weights", "last_timeline", "expected_processes"]
 
 #: Returned by :func:`maybe_run` when the model is not distributed (run it on threads).
 NOT_DISTRIBUTED = object()
 
-_FAILED_KEY = "ipukit/failed"
-
-
-class DistributedError(Error):
-    """A multi-process run that cannot start or continue (wrong process count, mismatch, a failed peer)."""
-
-
-def is_active(options) -> bool:
-    """Whether models with these options run as processes (several processes configured)."""
-    return options.Distributed.numProcesses > 1
-
-
-# -- the one adapter onto the compiled model -----------------------------------------------
 
 @dataclass
 class Compiled:
@@ -115,327 +105,6 @@ def _compile(model, args, kwargs) -> None:
     model.compile(*args, **kwargs)
 
 
-# -- process group ------------------------------------------------------------------------
-
-def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("IPUKIT_DIST_TIMEOUT", "300")))
-
-
-def _wants_cuda(options) -> bool:
-    mapping = options.device_mapping
-    if mapping:
-        return any(str(d).startswith("cuda") for d in mapping)
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-
-def ensure_process_group(options) -> None:
-    """Join the run's process group (gloo on CPU; NCCL for CUDA tensors, gloo for the rest)."""
-    import torch.distributed as dist
-
-    d = options.Distributed
-    if dist.is_initialized():
-        if dist.get_world_size() != d.numProcesses or dist.get_rank() != d.processId:
-            raise DistributedError(
-                f"Options.Distributed says process {d.processId} of {d.numProcesses}, but the "
-                f"process group is rank {dist.get_rank()} of {dist.get_world_size()}: build "
-                "the Options inside the launched script (torchrun sets RANK/WORLD_SIZE), or "
-                "call Options.Distributed.configureProcessId(rank, world_size).")
-        return
-    for var in ("MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise DistributedError(
-                f"Options.Distributed: {d.numProcesses} processes are configured but {var} is "
-                "not set, so there is no rendezvous to join. Launch the script with "
-                "`ipukit-run --nproc N script.py` (or torchrun), or call "
-                "Options.Distributed.disable() to run in one process.")
-    backend = "cpu:gloo,cuda:nccl" if _wants_cuda(options) else "gloo"
-    if _wants_cuda(options):
-        gpus = torch.cuda.device_count()
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.numProcesses))
-        if per_node > gpus:
-            raise DistributedError(
-                f"ipukit: {per_node} processes on this machine but {gpus} CUDA device(s): NCCL "
-                "needs a GPU per process. Launch at most that many processes per machine, or "
-                "run the stages on CPU with Options.deviceMapping(['cpu']).")
-        local = int(os.environ.get("LOCAL_RANK", d.processId))
-        torch.cuda.set_device(local % gpus)
-    try:
-        dist.init_process_group(backend, rank=d.processId, world_size=d.numProcesses,
-                                timeout=_timeout())
-    except Exception as exc:  # noqa: BLE001 - re-raised with the setting to check
-        raise DistributedError(
-            f"ipukit could not join the process group at {os.environ.get('MASTER_ADDR')}:"
-            f"{os.environ.get('MASTER_PORT')} as rank {d.processId} of {d.numProcesses} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Launch "
-            "every process with ipukit-run/torchrun and the same rendezvous.") from exc
-    _install_failure_report()
-
-
-def _install_failure_report() -> None:
-    """An uncaught exception tells the peers (and ipukit-run) which rank failed and why."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        _note_failure(value, uncaught=True)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _note_failure(exc: BaseException, uncaught: bool = False) -> None:
-    """Tell the peers (through the rendezvous store) that this rank failed, and why.
-
-    Under ipukit-run, an exception that ends the process is also written to
-    ``IPUKIT_FAILURE_DIR``, so the launcher names the process that failed first;
-    errors a script catches (and goes on from) are not.
-    """
-    import torch.distributed as dist
-
-    if isinstance(exc, DistributedError) and getattr(exc, "_peer", False):
-        return  # a consequence of another rank's failure, not a cause
-    rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
-    line = f"rank {rank}: {_describe(exc)}"
-    now = time.time()
-    folder = os.environ.get("IPUKIT_FAILURE_DIR")
-    if folder and uncaught:
-        try:
-            with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
-                f.write(f"{now}\n{line}\n")
-        except OSError:
-            pass
-    try:
-        dist.distributed_c10d._get_default_store().set(_FAILED_KEY, f"{now}|{line}")
-    except Exception:  # noqa: BLE001 - best effort: the store may be gone
-        pass
-
-
-def _peer_failure(since: float, wait: float = 3.0) -> Optional[str]:
-    """The failure another rank recorded after ``since``, waiting briefly for it."""
-    import torch.distributed as dist
-
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            if store.check([_FAILED_KEY]):
-                stamp, _, line = store.get(_FAILED_KEY).decode().partition("|")
-                if float(stamp) >= since:
-                    return line
-        except Exception:  # noqa: BLE001
-            return None
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.1)
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset",
-                                   "Gloo", "gloo", "NCCL", "Timed out", "timed out"))
-
-
-# -- the stages ---------------------------------------------------------------------------
-
-class _CallContext:
-    """What the stage bodies of this process read during a call."""
-
-    def __init__(self) -> None:
-        self.inputs: List[list] = []        # this iteration's micro-batches (flat model inputs)
-        self.rows: Dict[int, Dict[int, Any]] = {}
-        self.iteration = 0
-        self.micro_batch = 0
-        self.offset = 0                     # micro-batch index of this iteration's first
-
-
-class _StageBody(torch.nn.Module):
-    """One ipukit stage as torch's pipeline sees it: received tensors in, tensors to send out.
-
-    Positional inputs are the tensors carried from the previous stage (its own
-    outputs and any earlier stage's outputs a later stage still needs); model
-    inputs are read from the call's micro-batch; the last stage returns the
-    loss (training), which torch's runtime backpropagates from.
-    """
-
-    def __init__(self, rt: "_Runtime", index: int, carried_in: List[Tuple[int, int]],
-                 carried_out: List[Tuple[int, int]]) -> None:
-        super().__init__()
-        c = rt.compiled
-        st = c.partition.stages[index]
-        self.inner = st.module
-        self._rt = rt
-        self._index = index
-        self._args = st.args
-        self._tuple_output = st.tuple_output
-        self._carried_in = carried_in
-        self._carried_out = carried_out
-        self._host_outputs = c.host_outputs[index]
-        self._last = index == c.partition.num_stages - 1
-        self._device = rt.device
-
-    def forward(self, *carried):
-        rt = self._rt
-        ctx = rt.ctx
-        k = ctx.micro_batch
-        inputs = ctx.inputs[k]
-        values = dict(zip(self._carried_in, carried))
-        args = []
-        for ref in self._args:
-            if ref.kind == "input":
-                v = inputs[rt.compiled.tensor_inputs[ref.index]]
-                if isinstance(v, torch.Tensor) and v.device != self._device:
-                    v = v.to(self._device)
-            elif ref.kind == "stage":
-                v = values[(ref.index, 0 if ref.item is None else ref.item)]
-            else:
-                v = ref.value
-            args.append(v)
-        out = self.inner(*args)
-        outs = out if self._tuple_output else (out,)
-        if self._host_outputs and rt.returned[ctx.offset + k]:
-            row = ctx.rows.setdefault(ctx.offset + k, {})
-            for j, item in self._host_outputs:
-                v = outs[item]
-                row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
-        if self._last:
-            if rt.compiled.training:
-                return outs[rt.compiled.loss_item]
-            return torch.zeros((), device=self._device)
-        mine = {(self._index, i): v for i, v in enumerate(outs)}
-        sent = []
-        for key in self._carried_out:
-            v = mine[key] if key in mine else values[key]
-            if key not in mine and isinstance(v, torch.Tensor):
-                v = v.view_as(v)  # carried through: a new autograd node, gradients flow back
-            sent.append(v)
-        return tuple(sent)
-
-
-def _carry_plan(partition) -> List[List[Tuple[int, int]]]:
-    """carried[s] = the (stage, item) tensors stage s receives from stage s - 1, in order."""
-    n = partition.num_stages
-    last_use: Dict[Tuple[int, int], int] = {}
-    for st in partition.stages:
-        for ref in st.args:
-            if ref.kind == "stage":
-                key = (ref.index, 0 if ref.item is None else ref.item)
-                last_use[key] = max(last_use.get(key, -1), st.index)
-    carried = [[] for _ in range(n)]
-    for s in range(1, n):
-        carried[s] = sorted(key for key, used in last_use.items() if key[0] < s <= used)
-    return carried
-
-
-def _timed_stage_class():
-    from torch.distributed.pipelining import PipelineStage
-
-    class TimedStage(PipelineStage):
-        """A PipelineStage that tells its body the micro-batch and records measured spans."""
-
-        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-            rt = self._ipukit_rt
-            rt.ctx.micro_batch = fwd_chunk_id
-            start = time.perf_counter()
-            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-            rt.span(self.stage_index, "F", fwd_chunk_id, start)
-            return out
-
-        def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-            rt = self._ipukit_rt
-            start = time.perf_counter()
-            out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-            rt.span(self.stage_index, "B", bwd_chunk_id, start)
-            return out
-
-    return TimedStage
-
-
-def _torch_single_order(kind: str, stage: int, num_stages: int, micro_batches: int) -> List[str]:
-    """The order torch's ``Schedule1F1B``/``ScheduleGPipe`` run one stage's actions in.
-
-    As their ``_step_microbatches`` execute it (torch 2.14): GPipe runs every
-    forward, then every backward; 1F1B runs ``min(M, N − stage)`` forwards,
-    then alternates a backward and a forward, then drains the backwards.
-    (Their ``pipeline_order`` tables are descriptive and not what runs.)
-    """
-    M = micro_batches
-    if kind == "gpipe":
-        return [f"{stage}F{m}" for m in range(M)] + [f"{stage}B{m}" for m in range(M)]
-    warmup = min(M, num_stages - stage)
-    order = [f"{stage}F{m}" for m in range(warmup)]
-    fwd, bwd = warmup, 0
-    while True:
-        order.append(f"{stage}B{bwd}")
-        bwd += 1
-        if fwd == M:
-            break
-        order.append(f"{stage}F{fwd}")
-        fwd += 1
-    order += [f"{stage}B{m}" for m in range(bwd, M)]
-    return order
-
-
-def _torch_schedule(c: Compiled, stages: list, micro_batches: int, loss_fn, lanes):
-    """torch's own schedule class when it runs exactly ipukit's order, else None.
-
-    With one stage per process, ipukit's 1F1B and GPipe orders are those of
-    torch's ``Schedule1F1B`` and ``ScheduleGPipe`` (checked action by action);
-    those classes pair each send with the next receive in one batched
-    exchange, which the general runtime does not.
-    """
-    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
-
-    kind = c.schedule.kind
-    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}.get(kind)
-    n = c.partition.num_stages
-    if cls is None or not c.training or len(stages) != 1 or len(lanes) != n:
-        return None
-    ours = [[str(a) for a in lane] for lane in lanes]
-    if any(ours[s] != _torch_single_order(kind, s, n, micro_batches) for s in range(n)):
-        return None
-    return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
-
-
-def _runtime_class():
-    """torch's schedule runtime, told the stage → rank mapping instead of inferring it.
-
-    torch infers the mapping while checking that every stage has its backwards,
-    which a forward-only (inference) schedule does not; ipukit's schedule was
-    validated when it was built, and the mapping is the stages' virtual IPUs.
-    """
-    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
-                                                        _PipelineScheduleRuntime)
-
-    class Mapping(PipelineScheduleMulti):
-        def _validate_and_set_stage_mapping(self, actions) -> None:
-            self.stage_index_to_group_rank = dict(self._ipukit_stage_rank)
-            for stage in self._stages:
-                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-
-    class Runtime(_PipelineScheduleRuntime, Mapping):
-        pass
-
-    return Runtime
-
-
-def _device_for(options, ipu: int) -> torch.device:
-    mapping = options.device_mapping
-    if mapping:
-        return torch.device(mapping[ipu % len(mapping)])
-    if _wants_cuda(options):
-        local = int(os.environ.get("LOCAL_RANK", options.Distributed.processId))
-        return torch.device("cuda", local % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def _fingerprint(c: Compiled, flat_inputs: Sequence) -> Dict[str, Any]:
     """What must be equal on every process of the run."""
     opts = c.options.toDict()
@@ -452,146 +121,207 @@ def _fingerprint(c: Compiled, flat_inputs: Sequence) -> Dict[str, Any]:
     }
 
 
+def _check_same_everywhere(c: Compiled, flat_inputs: Sequence, world: int) -> None:
+    """Every process must see the same model, options and input shapes (a collective)."""
+    import torch.distributed as dist
+
+    prints = [None] * world
+    dist.all_gather_object(prints, _fingerprint(c, flat_inputs))
+    for r, fp in enumerate(prints):
+        for key in prints[0]:
+            if fp[key] != prints[0][key]:
+                raise DistributedError(
+                    f"ipukit: process {r} compiled a different model than process 0: its "
+                    f"{key} differ ({_short(fp[key])} vs {_short(prints[0][key])}). Every "
+                    "process must build the same model, Options and input batch sizes.")
+
+
+def _check_untied(part) -> None:
+    owners: Dict[int, int] = {}
+    for st in part.stages:
+        for p in st.parameters:
+            if owners.setdefault(id(p), st.ipu) != st.ipu:
+                raise DistributedError(
+                    "ipukit: a parameter is used by stages on two virtual IPUs (tied "
+                    "weights); as processes those would be two copies. Put the stages "
+                    "that share it on one IPU, or run without ipukit-run.")
+
+
+class _Layout:
+    """Where this process sits in the (dp, pp) mesh: its replica, virtual IPU, stages, device."""
+
+    def __init__(self, c: Compiled) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        part = c.partition
+        ipus = part.ipus
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.pp = len(ipus)
+        self.dp = c.batching.replicas
+        self.replica, pp_rank = divmod(self.rank, self.pp)
+        self.ipu = ipus[pp_rank]
+        self.device = _device_for(c.options, self.ipu)
+        mesh = init_device_mesh("cuda" if self.device.type == "cuda" else "cpu",
+                                (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+        self.mine = [st.index for st in part.stages if st.ipu == self.ipu]
+        self.stage_rank = {st.index: ipus.index(st.ipu) for st in part.stages}
+        self.lanes = process_lanes(c.schedule, ipus)
+
+
+class _Recorder:
+    """This process's measured spans, against one clock shared by every process.
+
+    The clock is set when the processes leave a barrier together; each call's
+    timeline starts at the earliest process's call.
+    """
+
+    def __init__(self, c: Compiled, layout: _Layout) -> None:
+        import torch.distributed as dist
+
+        self.compiled = c
+        self.layout = layout
+        self.on = c.record
+        self.events: List[Event] = []
+        self.call_index = 0
+        self.iteration = 0
+        self.timeline: Optional[Timeline] = None   # the last call's
+        dist.barrier()
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def span(self, stage: int, kind: str, micro_batch: int, start: float) -> None:
+        if not self.on:
+            return
+        lay = self.layout
+        if lay.device.type == "cuda":
+            torch.cuda.synchronize(lay.device)
+        end = time.perf_counter()
+        self.events.append(Event(stage, KIND_NAMES[kind], micro_batch, start - self.t0,
+                                 end - self.t0, lay.ipu, lay.replica, self.iteration,
+                                 self.call_index))
+
+    def step(self, t_start: float, t_opt: float, t_end: float) -> None:
+        """The optimiser step of this process's stages (and the gradient scaling before it)."""
+        if not self.on:
+            return
+        lay, t0 = self.layout, self.t0
+        for s in lay.mine:
+            self.events.append(Event(s, "step", -1, t_opt - t0, t_end - t0, lay.ipu,
+                                     lay.replica, self.iteration, self.call_index))
+        if t_opt - t_start > 0:
+            self.events.append(Event(-1, "host", -1, t_start - t0, t_opt - t0, -1,
+                                     lay.replica, self.iteration, self.call_index))
+
+    def finish(self, parts: list, flat: Sequence) -> None:
+        """The call's :class:`Timeline` from ``parts`` ((rows, events, call start) per process:
+        every process's on process 0, this one's elsewhere)."""
+        c, lay = self.compiled, self.layout
+        start = min(p[2] for p in parts)
+        events = [e._replace(start=e.start - start, end=e.end - start)
+                  for p in parts for e in p[1]]
+        events.sort(key=lambda e: (e.start, e.replica, e.ipu))
+        samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
+                       0)
+        meta = dict(c.schedule.describe())
+        meta.update({"schedule": c.schedule.kind, "replicas": lay.dp, "samples": samples,
+                     "training": c.training, "call": self.call_index,
+                     "model": c.options.model_name or ("training" if c.training else "inference"),
+                     "stage_ipus": list(c.schedule.stage_ipus),
+                     "blocks": [st.blocks for st in c.partition.stages],
+                     "processes": lay.world, "rank": lay.rank,
+                     "gathered": lay.rank == 0})
+        self.timeline = Timeline(events, modeled=False, meta=meta)
+
+
 class _Runtime:
     """This process's part of a distributed model: its stages, torch's schedule runtime, groups."""
 
     def __init__(self, model, flat_inputs: Sequence) -> None:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
         c = self.compiled = _compiled(model)
         part = c.partition
-        opts = c.options
-        self.world = dist.get_world_size()
-        self.rank = dist.get_rank()
-        ipus = part.ipus
-        self.pp = len(ipus)
-        self.dp = c.batching.replicas
-        # every process must see the same model, options and input shapes
-        prints = [None] * self.world
-        dist.all_gather_object(prints, _fingerprint(c, flat_inputs))
-        for r, fp in enumerate(prints):
-            for key in prints[0]:
-                if fp[key] != prints[0][key]:
-                    raise DistributedError(
-                        f"ipukit: process {r} compiled a different model than process 0: its "
-                        f"{key} differ ({_short(fp[key])} vs {_short(prints[0][key])}). Every "
-                        "process must build the same model, Options and input batch sizes.")
-        if c.schedule.lane_ipus == [None] or len(c.schedule.lanes) != self.pp:
-            self.lanes = _per_ipu_lanes(c.schedule, ipus)
-        else:
-            self.lanes = [[a for a in lane if a.iteration == 0 and a.kind != "S"]
-                          for lane in c.schedule.lanes]
-        self.replica, pp_rank = divmod(self.rank, self.pp)
-        self.ipu = ipus[pp_rank]
-        self.device = _device_for(opts, self.ipu)
-        mesh_type = "cuda" if self.device.type == "cuda" else "cpu"
-        self.mesh = init_device_mesh(mesh_type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
-        self.pp_group = self.mesh.get_group("pp")
-        self.dp_group = self.mesh.get_group("dp")
+        lay = self.layout = _Layout(c)
+        _check_same_everywhere(c, flat_inputs, lay.world)
+        self.device = lay.device
         # every process starts from the weights and buffers of each stage's process in
         # replica 0 (which may have trained them through another model of this module)
         _broadcast_stages(part, self.device)
-        self.mine = [st.index for st in part.stages if st.ipu == self.ipu]
-        for s in self.mine:
+        for s in lay.mine:
             part.stages[s].module.to(self.device)
-        self.params = [p for s in self.mine for p in part.stages[s].parameters if p.requires_grad]
-        owners: Dict[int, int] = {}
-        for st in part.stages:
-            for p in st.parameters:
-                if owners.setdefault(id(p), st.ipu) != st.ipu:
-                    raise DistributedError(
-                        "ipukit: a parameter is used by stages on two virtual IPUs (tied "
-                        "weights); as processes those would be two copies. Put the stages "
-                        "that share it on one IPU, or run without ipukit-run.")
-        self.buffers = [b for s in self.mine for b in part.stages[s].module.buffers()]
+        self.params = [p for s in lay.mine for p in part.stages[s].parameters if p.requires_grad]
+        _check_untied(part)
+        self.buffers = [b for s in lay.mine for b in part.stages[s].module.buffers()]
         self.ddp = False  # set when a stage runs under DDP (replicas)
-        carry = _carry_plan(part)
-        n = part.num_stages
-        self.ctx = _CallContext()
-        stage_cls = _timed_stage_class()
-        self.stages = []
-        for s in self.mine:
-            body = _StageBody(self, s, carry[s], carry[s + 1] if s + 1 < n else [])
-            stage = stage_cls(self._replicated(body), s, n, self.device, group=self.pp_group)
-            stage._ipukit_rt = self
-            self.stages.append(stage)
         self.M = c.schedule.micro_batches
-        self.iterations = c.schedule.iterations
-        steps = self.M * self.iterations
-        self.returned = _returned_micro_batches(c.output_mode, c.output_period, steps)
-        loss_scaling = float((getattr(c.optimizer, "ipu_arguments", None) or {})
-                             .get("loss_scaling", 1.0)) if c.training else 1.0
-        self.loss_scaling = loss_scaling
+        steps = self.M * c.schedule.iterations
+        self.recorder = _Recorder(c, lay)
+        self.ctx = CallContext(_returned_micro_batches(c.output_mode, c.output_period, steps),
+                               self.recorder.span)
+        carry = carry_plan(part)
+        n = part.num_stages
+        stage_cls = timed_stage_class()
+        self.stages = []
+        for s in lay.mine:
+            body = StageBody(c, self.ctx, s, carry[s], carry[s + 1] if s + 1 < n else [],
+                             self.device)
+            stage = stage_cls(self._replicated(body), s, n, self.device, group=lay.pp_group)
+            stage._ipukit_ctx = self.ctx
+            self.stages.append(stage)
+        self.loss_scaling = float((getattr(c.optimizer, "ipu_arguments", None) or {})
+                                  .get("loss_scaling", 1.0)) if c.training else 1.0
+        scaling = self.loss_scaling
 
         def loss_fn(output, target):
             loss = output if output.dim() == 0 else output.sum()
-            return loss * loss_scaling if loss_scaling != 1.0 else loss
+            return loss * scaling if scaling != 1.0 else loss
 
-        self.runner = _torch_schedule(c, self.stages, self.M, loss_fn, self.lanes)
-        if self.runner is None:  # ipukit's own order: torch's runtime, fed the actions
-            from torch.distributed.pipelining.schedules import _Action
-
-            self.runner = _runtime_class()(self.stages, self.M,
-                                           loss_fn=loss_fn if c.training else None,
-                                           scale_grads=False)
-            self.runner._ipukit_stage_rank = {st.index: ipus.index(st.ipu)
-                                              for st in part.stages}
-            self.runner._prepare_schedule_with_comms(
-                {r: [_Action.from_str(str(a)) for a in lane] for r, lane in enumerate(self.lanes)})
+        self.runner = schedule_runner(c.schedule, c.training, self.stages, lay.stage_rank,
+                                      lay.lanes, loss_fn)
         self._target = torch.zeros(1, device=self.device)  # torch wants a target; the loss is the model's
-        self.events: List[Event] = []
-        # one clock for every process: the moment they all left this barrier (events are
-        # recorded against it, and each call's timeline starts at the earliest process's call)
-        dist.barrier()
-        self.t0 = time.perf_counter()
-        self.call_index = 0
 
     def _replicated(self, body: torch.nn.Module) -> torch.nn.Module:
         """With replicas, the stage under DDP in the dp group (torch's pipeline stages drive it:
         no gradient sync until a step's last backward, then one all-reduce)."""
-        if self.dp == 1 or not self.compiled.training \
+        lay = self.layout
+        if lay.dp == 1 or not self.compiled.training \
                 or not any(p.requires_grad for p in body.parameters()):
             return body
         from torch.nn.parallel import DistributedDataParallel
 
         self.ddp = True
         return DistributedDataParallel(
-            body, process_group=self.dp_group, broadcast_buffers=False, init_sync=False,
+            body, process_group=lay.dp_group, broadcast_buffers=False, init_sync=False,
             device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
-    # -- recording ----------------------------------------------------------------------------
-    def span(self, stage: int, kind: str, micro_batch: int, start: float) -> None:
-        if not self.compiled.record:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        end = time.perf_counter()
-        self.events.append(Event(stage, KIND_NAMES[kind], micro_batch, start - self.t0,
-                                 end - self.t0, self.ipu, self.replica, self.ctx.iteration,
-                                 self.call_index))
+    @property
+    def timeline(self) -> Optional[Timeline]:
+        """The last call's measured timeline (every process's spans on process 0)."""
+        return self.recorder.timeline
 
-    # -- one call -----------------------------------------------------------------------------
-    def run(self, model, flat: list) -> Any:
+    def run(self, flat: list) -> Any:
+        """One call: this replica's outputs, as one process would return them."""
         import torch.distributed as dist
 
-        c = self.compiled
+        c, lay, ctx, rec = self.compiled, self.layout, self.ctx, self.recorder
         b = c.batching
         local = microbatch.Batching(b.device_iterations, b.gradient_accumulation, 1)
         micro = microbatch.split(flat, local, c.input_names)
-        if self.dp > 1 and self.buffers:  # replicas start each call from replica 0's buffers
+        if lay.dp > 1 and self.buffers:  # replicas start each call from replica 0's buffers
             with torch.no_grad():
                 for buf in self.buffers:
-                    dist.broadcast(buf.data, group=self.dp_group, group_src=0)
-        t_call = time.perf_counter() - self.t0
-        self.events = []
-        ctx = self.ctx
+                    dist.broadcast(buf.data, group=lay.dp_group, group_src=0)
+        t_call = rec.now()
+        rec.events = []
         ctx.rows = {}
-        grad = torch.enable_grad() if c.training else torch.no_grad()
         M = self.M
-        with grad:
-            for it in range(self.iterations):
-                ctx.iteration = it
+        with torch.enable_grad() if c.training else torch.no_grad():
+            for it in range(c.schedule.iterations):
+                ctx.iteration = rec.iteration = it
                 ctx.offset = it * M
                 ctx.inputs = micro[it * M:(it + 1) * M]
                 if c.training:
@@ -599,56 +329,38 @@ class _Runtime:
                         p.grad = None
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      target_mbs=[self._target] * M, return_outputs=False)
-                    self._step(it)
+                    self._step()
                 else:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      return_outputs=False)
         # one exchange per call: the rows of this replica (for every process of it) and,
         # for process 0's timeline, every process's spans
-        rows = ctx.rows
-        mine = (rows, self.events if c.record else None, t_call)
+        mine = (ctx.rows, rec.events if rec.on else None, t_call)
         everyone = [mine]
-        if self.world > 1:
-            everyone = [None] * self.world
+        if lay.world > 1:
+            everyone = [None] * lay.world
             dist.all_gather_object(everyone, mine)
-        rows = {}
-        for r in range(self.replica * self.pp, (self.replica + 1) * self.pp):
+        rows: Dict[int, Dict[int, Any]] = {}
+        for r in range(lay.replica * lay.pp, (lay.replica + 1) * lay.pp):
             for k, row in everyone[r][0].items():
                 rows.setdefault(k, {}).update(row)
-        part = c.partition
-        n_out = len(part.outputs)
-        table = []
-        for k in range(len(micro)):
-            row = [None] * n_out
-            if not self.returned[k]:  # gather() never reads it: any placeholder will do
-                table.append(table[-1] if table else row)
-                continue
-            for j, v in rows.get(k, {}).items():
-                row[j] = v
-            for j, ref in enumerate(part.outputs):
-                if ref.kind == "const":
-                    row[j] = ref.value
-                elif ref.kind == "input":
-                    row[j] = micro[k][c.tensor_inputs[ref.index]]
-            table.append(row)
-        flat_out = microbatch.gather(table, c.output_mode, c.output_period, local)
-        result = pytree.tree_unflatten(flat_out, part.out_spec)
-        if c.record:
-            self._timeline(model, flat, everyone if self.rank == 0 else [mine])
-        self.call_index += 1
+        result = _call_outputs(c, rows, micro, ctx.returned, local)
+        if rec.on:
+            rec.finish(everyone if lay.rank == 0 else [mine], flat)
+        rec.call_index += 1
         return result
 
-    def _step(self, iteration: int) -> None:
+    def _step(self) -> None:
         """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights.
 
         Under DDP the gradients arrive averaged over the replicas (DDP's mean).
         """
-        c = self.compiled
+        c, dp = self.compiled, self.layout.dp
         t_start = time.perf_counter()
         grads = [p.grad for p in self.params if p.grad is not None]
-        replicas = self.dp if self.ddp else 1  # DDP has divided by this already
+        replicas = dp if self.ddp else 1  # DDP has divided by this already
         if c.reduction == ReductionType.Mean:
-            scale = 1.0 / (self.M * (self.dp // replicas))
+            scale = 1.0 / (self.M * (dp // replicas))
         else:
             scale = float(replicas)
         scale /= self.loss_scaling
@@ -660,30 +372,30 @@ class _Runtime:
         t_end = time.perf_counter()
         for p in self.params:
             p.grad = None
-        if c.record:
-            for s in self.mine:
-                self.events.append(Event(s, "step", -1, t_opt - self.t0, t_end - self.t0,
-                                         self.ipu, self.replica, iteration, self.call_index))
-            if t_opt - t_start > 0:
-                self.events.append(Event(-1, "host", -1, t_start - self.t0, t_opt - self.t0,
-                                         -1, self.replica, iteration, self.call_index))
+        self.recorder.step(t_start, t_opt, t_end)
 
-    def _timeline(self, model, flat, parts) -> None:
-        c = self.compiled
-        start = min(p[2] for p in parts)  # the earliest process's call starts the timeline
-        events = [e._replace(start=e.start - start, end=e.end - start)
-                  for p in parts for e in p[1]]
-        events.sort(key=lambda e: (e.start, e.replica, e.ipu))
-        samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
-        meta = dict(c.schedule.describe())
-        meta.update({"schedule": c.schedule.kind, "replicas": self.dp, "samples": samples,
-                     "training": c.training, "call": self.call_index,
-                     "model": c.options.model_name or ("training" if c.training else "inference"),
-                     "stage_ipus": list(c.schedule.stage_ipus),
-                     "blocks": [st.blocks for st in c.partition.stages],
-                     "processes": self.world, "rank": self.rank,
-                     "gathered": self.rank == 0})
-        model.__dict__["_timeline"] = Timeline(events, modeled=False, meta=meta)
+
+def _call_outputs(c: Compiled, rows: Dict[int, Dict[int, Any]], micro: List[list],
+                  returned: List[bool], local: microbatch.Batching):
+    """The call's outputs in the model's structure, from the stages' rows (per micro-batch)."""
+    part = c.partition
+    n_out = len(part.outputs)
+    table = []
+    for k in range(len(micro)):
+        row = [None] * n_out
+        if not returned[k]:  # gather() never reads it: any placeholder will do
+            table.append(table[-1] if table else row)
+            continue
+        for j, v in rows.get(k, {}).items():
+            row[j] = v
+        for j, ref in enumerate(part.outputs):
+            if ref.kind == "const":
+                row[j] = ref.value
+            elif ref.kind == "input":
+                row[j] = micro[k][c.tensor_inputs[ref.index]]
+        table.append(row)
+    flat_out = microbatch.gather(table, c.output_mode, c.output_period, local)
+    return pytree.tree_unflatten(flat_out, part.out_spec)
 
 
 def _returned_micro_batches(mode, period: int, steps: int) -> List[bool]:
@@ -695,17 +407,6 @@ def _returned_micro_batches(mode, period: int, steps: int) -> List[bool]:
     if mode == OutputMode.EveryN:
         return [(k + 1) % period == 0 for k in range(steps)]
     return [True] * steps
-
-
-def _per_ipu_lanes(schedule, ipus: Sequence[int]) -> List[list]:
-    """A one-lane (sharded) schedule as one lane per virtual IPU, in the same order."""
-    lanes = [[] for _ in ipus]
-    where = {ipu: k for k, ipu in enumerate(ipus)}
-    for lane in schedule.lanes:
-        for a in lane:
-            if a.iteration == 0 and a.kind != "S":
-                lanes[where[schedule.stage_ipus[a.stage]]].append(a)
-    return lanes
 
 
 def _short(value: Any) -> str:
@@ -766,7 +467,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
             _check_supported(model)
             rt = _Runtime(model, flat)
             d["_ipukit_distributed"] = rt
-        return rt.run(model, flat)
+        return rt.run(flat)
     except DistributedError as exc:
         if not getattr(exc, "_peer", False):
             _note_failure(exc)
@@ -788,14 +489,19 @@ def maybe_run(model, args: tuple, kwargs: dict):
         raise
 
 
+def last_timeline(model) -> Optional[Timeline]:
+    """The measured timeline of ``model``'s last call on processes (None before one, or when
+    timelines are not recorded): every process's spans on process 0, its own elsewhere."""
+    rt = model.__dict__.get("_ipukit_distributed")
+    return None if rt is None else rt.timeline
+
+
 def synchronize_weights(model) -> None:
     """Give every process every stage's current weights and buffers (a collective).
 
     During a run each process updates only its own stages; call this (on every
     process) before saving or evaluating the whole model on one process.
     """
-    import torch.distributed as dist
-
     rt = model.__dict__.get("_ipukit_distributed")
     if rt is not None:
         _broadcast_stages(rt.compiled.partition, rt.device)

@@ -1,0 +1,247 @@
+"""ipukit's stages as torch.distributed.pipelining sees them, and the schedule that runs them.
+
+* :class:`StageBody`: one ipukit stage as a module of received tensors in,
+  tensors to send out (model inputs read from the call's micro-batch, skip
+  connections carried through the stages in between);
+* :func:`timed_stage_class`: torch's ``PipelineStage`` that tells its body
+  which micro-batch runs and records measured spans;
+* :func:`torch_schedule` / :func:`runtime_class`: torch's own schedule class
+  where it runs exactly ipukit's order, else torch's schedule runtime fed
+  ipukit's actions.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+
+class CallContext:
+    """What this process's stage bodies and stages read and write during a call."""
+
+    def __init__(self, returned: List[bool], span: Callable[[int, str, int, float], None]) -> None:
+        self.inputs: List[list] = []        # this iteration's micro-batches (flat model inputs)
+        self.rows: Dict[int, Dict[int, Any]] = {}   # micro-batch → {output index: value}
+        self.iteration = 0
+        self.micro_batch = 0
+        self.offset = 0                     # micro-batch index of this iteration's first
+        self.returned = returned            # which micro-batches' outputs the output mode keeps
+        self.span = span                    # records (stage, kind, micro-batch, start) → now
+
+
+class StageBody(torch.nn.Module):
+    """One ipukit stage as torch's pipeline sees it: received tensors in, tensors to send out.
+
+    Positional inputs are the tensors carried from the previous stage (its own
+    outputs and any earlier stage's outputs a later stage still needs); model
+    inputs are read from the call's micro-batch; the last stage returns the
+    loss (training), which torch's runtime backpropagates from.
+    """
+
+    def __init__(self, compiled, ctx: CallContext, index: int, carried_in: List[Tuple[int, int]],
+                 carried_out: List[Tuple[int, int]], device: torch.device) -> None:
+        super().__init__()
+        st = compiled.partition.stages[index]
+        self.inner = st.module
+        self._ctx = ctx
+        self._index = index
+        self._args = st.args
+        self._tuple_output = st.tuple_output
+        self._tensor_inputs = list(compiled.tensor_inputs)
+        self._carried_in = carried_in
+        self._carried_out = carried_out
+        self._host_outputs = compiled.host_outputs[index]
+        self._last = index == compiled.partition.num_stages - 1
+        self._loss_item = compiled.loss_item if compiled.training else None
+        self._device = device
+
+    def forward(self, *carried):
+        ctx = self._ctx
+        k = ctx.micro_batch
+        inputs = ctx.inputs[k]
+        values = dict(zip(self._carried_in, carried))
+        args = []
+        for ref in self._args:
+            if ref.kind == "input":
+                v = inputs[self._tensor_inputs[ref.index]]
+                if isinstance(v, torch.Tensor) and v.device != self._device:
+                    v = v.to(self._device)
+            elif ref.kind == "stage":
+                v = values[(ref.index, 0 if ref.item is None else ref.item)]
+            else:
+                v = ref.value
+            args.append(v)
+        out = self.inner(*args)
+        outs = out if self._tuple_output else (out,)
+        if self._host_outputs and ctx.returned[ctx.offset + k]:
+            row = ctx.rows.setdefault(ctx.offset + k, {})
+            for j, item in self._host_outputs:
+                v = outs[item]
+                row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+        if self._last:
+            if self._loss_item is not None:
+                return outs[self._loss_item]
+            return torch.zeros((), device=self._device)
+        mine = {(self._index, i): v for i, v in enumerate(outs)}
+        sent = []
+        for key in self._carried_out:
+            v = mine[key] if key in mine else values[key]
+            if key not in mine and isinstance(v, torch.Tensor):
+                v = v.view_as(v)  # carried through: a new autograd node, gradients flow back
+            sent.append(v)
+        return tuple(sent)
+
+
+def carry_plan(partition) -> List[List[Tuple[int, int]]]:
+    """carried[s] = the (stage, item) tensors stage s receives from stage s - 1, in order."""
+    n = partition.num_stages
+    last_use: Dict[Tuple[int, int], int] = {}
+    for st in partition.stages:
+        for ref in st.args:
+            if ref.kind == "stage":
+                key = (ref.index, 0 if ref.item is None else ref.item)
+                last_use[key] = max(last_use.get(key, -1), st.index)
+    carried = [[] for _ in range(n)]
+    for s in range(1, n):
+        carried[s] = sorted(key for key, used in last_use.items() if key[0] < s <= used)
+    return carried
+
+
+def timed_stage_class():
+    """torch's ``PipelineStage``, telling its body the micro-batch and recording measured spans:
+    a forward (F), a full backward (B), or a split one's input (I) and weight (W) gradients."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            ctx = self._ipukit_ctx
+            ctx.micro_batch = fwd_chunk_id
+            start = time.perf_counter()
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            ctx.span(self.stage_index, "F", fwd_chunk_id, start)
+            return out
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                               last_backward=False):
+            start = time.perf_counter()
+            out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                             last_backward=last_backward)
+            self._ipukit_ctx.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
+                                  start)
+            return out
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            start = time.perf_counter()
+            out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            self._ipukit_ctx.span(self.stage_index, "W", bwd_chunk_id, start)
+            return out
+
+    return TimedStage
+
+
+def torch_single_order(kind: str, stage: int, num_stages: int, micro_batches: int) -> List[str]:
+    """The order torch's ``Schedule1F1B``/``ScheduleGPipe`` run one stage's actions in.
+
+    As their ``_step_microbatches`` execute it (torch 2.14): GPipe runs every
+    forward, then every backward; 1F1B runs ``min(M, N − stage)`` forwards,
+    then alternates a backward and a forward, then drains the backwards.
+    (Their ``pipeline_order`` tables are descriptive and not what runs.)
+    """
+    M = micro_batches
+    if kind == "gpipe":
+        return [f"{stage}F{m}" for m in range(M)] + [f"{stage}B{m}" for m in range(M)]
+    warmup = min(M, num_stages - stage)
+    order = [f"{stage}F{m}" for m in range(warmup)]
+    fwd, bwd = warmup, 0
+    while True:
+        order.append(f"{stage}B{bwd}")
+        bwd += 1
+        if fwd == M:
+            break
+        order.append(f"{stage}F{fwd}")
+        fwd += 1
+    order += [f"{stage}B{m}" for m in range(bwd, M)]
+    return order
+
+
+def _torch_schedule(kind: str, training: bool, stages: list, num_stages: int, lanes,
+                    micro_batches: int, loss_fn):
+    """torch's own schedule class when it runs exactly ipukit's order, else None.
+
+    With one stage per process, ipukit's 1F1B and GPipe orders are those of
+    torch's ``Schedule1F1B`` and ``ScheduleGPipe`` (checked action by action);
+    those classes pair each send with the next receive in one batched
+    exchange, which the general runtime does not.
+    """
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}.get(kind)
+    n = num_stages
+    if cls is None or not training or len(stages) != 1 or len(lanes) != n:
+        return None
+    ours = [[str(a) for a in lane] for lane in lanes]
+    if any(ours[s] != torch_single_order(kind, s, n, micro_batches) for s in range(n)):
+        return None
+    return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+
+def _runtime_class():
+    """torch's schedule runtime, told the stage → rank mapping instead of inferring it.
+
+    torch infers the mapping while checking that every stage has its backwards,
+    which a forward-only (inference) schedule does not; ipukit's schedule was
+    validated when it was built, and the mapping is the stages' virtual IPUs.
+    """
+    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                        _PipelineScheduleRuntime)
+
+    class Mapping(PipelineScheduleMulti):
+        def _validate_and_set_stage_mapping(self, actions) -> None:
+            self.stage_index_to_group_rank = dict(self._ipukit_stage_rank)
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+
+    class Runtime(_PipelineScheduleRuntime, Mapping):
+        pass
+
+    return Runtime
+
+
+def schedule_runner(schedule, training: bool, stages: list, stage_rank: Dict[int, int],
+                    lanes: List[list], loss_fn):
+    """What runs one iteration of ``schedule`` on this process's ``stages``.
+
+    torch's ``Schedule1F1B``/``ScheduleGPipe`` where they run exactly ipukit's
+    order, otherwise torch's ``_PipelineScheduleRuntime`` fed ipukit's actions
+    (``lanes``: one list per pp rank, in torch's ``_Action`` notation), with
+    the stage → rank mapping ``stage_rank``.
+    """
+    from torch.distributed.pipelining.schedules import _Action
+
+    M = schedule.micro_batches
+    runner = _torch_schedule(schedule.kind, training, stages, len(stage_rank), lanes, M, loss_fn)
+    if runner is not None:
+        return runner
+    runner = _runtime_class()(stages, M, loss_fn=loss_fn if training else None, scale_grads=False)
+    runner._ipukit_stage_rank = dict(stage_rank)
+    runner._prepare_schedule_with_comms(
+        {r: [_Action.from_str(str(a)) for a in lane] for r, lane in enumerate(lanes)})
+    return runner
+
+
+def process_lanes(schedule, ipus: Sequence[int]) -> List[list]:
+    """One iteration's compute actions per virtual IPU (pp rank), in the order each runs them.
+
+    A one-lane (sharded) schedule becomes one lane per virtual IPU, in the same order.
+    """
+    if sorted(schedule.lane_ipus, key=str) == sorted(ipus, key=str):  # a lane per virtual IPU
+        by_ipu = dict(zip(schedule.lane_ipus, schedule.iteration_lanes(0)))
+        return [list(by_ipu[ipu]) for ipu in ipus]
+    lanes = [[] for _ in ipus]
+    where = {ipu: k for k, ipu in enumerate(ipus)}
+    for lane in schedule.lanes:
+        for a in lane:
+            if a.iteration == 0 and a.kind != "S":
+                lanes[where[schedule.stage_ipus[a.stage]]].append(a)
+    return lanes
