@@ -34,167 +34,24 @@ Any other unknown key is an :class:`IncompatibleIPUConfigError`.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
-import json
-import logging
-import os
-import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .enums import AutoStage, OutputMode, ReductionType
-from .errors import OptionsError, UnknownOptionError, UnsupportedError
-
-IPU_CONFIG_NAME = "ipu_config.json"
-OUTPUT_MODES = ("all", "sum", "final", "default")
-MODES = ("training", "inference")
-
-_log = logging.getLogger("ipukit")
-
-
-class IPUConfigError(OptionsError):
-    """An ``IPUConfig`` attribute with a value it cannot take (a ``ValueError``)."""
+from .errors import UnknownOptionError
+from .ipu_config_io import IPU_CONFIG_NAME, _IPUConfigFiles
+from .ipu_config_options import _IPUConfigOptions
+# the rules, and names that have always been importable from here
+from .ipu_config_rules import (  # noqa: F401
+    ATTRIBUTES, DEPRECATED_KEYS, MANAGED, METADATA_KEYS, MODES, OUTPUT_MODES, _SPEC,
+    IncompatibleIPUConfigError, IPUConfigError, IPUConfigTypeError, _check_value, _is_int,
+    _unknown_keys_error, cross_check, read_legacy)
 
 
-class IncompatibleIPUConfigError(IPUConfigError):
-    """Unknown keys, or attributes that contradict each other (a ``ValueError``, as in optimum)."""
-
-
-class IPUConfigTypeError(IPUConfigError, TypeError):
-    """An ``IPUConfig`` attribute assigned a value of the wrong type (also a ``TypeError``)."""
-
-
-# name -> (kind, default, minimum). Kinds: int, bool, str, ints (list of int),
-# prop (float or list of float), dict; "?" suffix: None allowed.
-_SPEC: Dict[str, Tuple[str, Any, Optional[float]]] = {
-    "replication_factor": ("int", 1, 1),
-    "inference_replication_factor": ("int", 1, 1),
-    "gradient_accumulation_steps": ("int", 1, 1),
-    "layers_per_ipu": ("ints", [-1], -1),
-    "inference_layers_per_ipu": ("ints", None, -1),
-    "ipus_per_replica": ("int", None, 1),
-    "inference_ipus_per_replica": ("int", None, 1),
-    "optimizer_state_offchip": ("bool", False, None),
-    "replicated_tensor_sharding": ("bool", False, None),
-    "matmul_proportion": ("prop", 0.2, 0),
-    "inference_matmul_proportion": ("prop", None, 0),
-    "enable_half_partials": ("bool", True, None),
-    "embedding_serialization_factor": ("int?", None, 1),
-    "inference_embedding_serialization_factor": ("int?", None, 1),
-    "serialized_embedding_splits_per_ipu": ("ints?", None, 0),
-    "inference_serialized_embedding_splits_per_ipu": ("ints?", None, 0),
-    "projection_serialization_factor": ("int?", None, 1),
-    "inference_projection_serialization_factor": ("int?", None, 1),
-    "serialized_projection_splits_per_ipu": ("ints?", None, 0),
-    "inference_serialized_projection_splits_per_ipu": ("ints?", None, 0),
-    "recompute_checkpoint_every_layer": ("bool", False, None),
-    "device_iterations": ("int", 1, 1),
-    "inference_device_iterations": ("int", 1, 1),
-    "output_mode": ("str", "final", None),
-    "seed": ("int?", None, 0),
-    "auto_loss_scaling": ("bool", False, None),
-    "executable_cache_dir": ("str", "", None),
-    "explicit_ir_inference": ("bool", False, None),
-    "parallelize_kwargs": ("dict", None, None),
-    "inference_parallelize_kwargs": ("dict", None, None),
-    "execute_encoder_on_cpu_for_generation": ("bool", False, None),
-}
-ATTRIBUTES = tuple(_SPEC)
-# attributes with a training and an inference value, switched by train()/eval()
-MANAGED = ("layers_per_ipu", "ipus_per_replica", "matmul_proportion",
-           "embedding_serialization_factor", "serialized_embedding_splits_per_ipu",
-           "projection_serialization_factor", "serialized_projection_splits_per_ipu",
-           "parallelize_kwargs")
-_SPLITS = tuple(n for n in _SPEC if n.endswith("_splits_per_ipu"))
-_FACTORS = tuple(n for n in _SPEC if n.endswith("serialization_factor"))
-# keys of older Hub files
-METADATA_KEYS = ("optimum_version", "transformers_version")
-DEPRECATED_KEYS = {
-    "enable_half_first_order_momentum":
-        "half-precision first-order momentum is set on the optimiser, not the IPUConfig "
-        "(ipukit keeps optimiser state in float32 in any case)",
-    "sharded_execution_for_inference": "inference always uses sharded execution",
-}
-_TYPE_WORDS = {"int": "an int", "bool": "a bool (true/false)", "str": "a string",
-               "ints": "a list of ints", "prop": "a float or a list of floats",
-               "dict": "a dict"}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _type_ok(kind: str, value: Any) -> bool:
-    if kind.endswith("?"):
-        if value is None:
-            return True
-        kind = kind[:-1]
-    if kind == "int":
-        return _is_int(value)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "ints":
-        return isinstance(value, list) and all(_is_int(v) for v in value)
-    if kind == "prop":
-        return _is_number(value) or (isinstance(value, list) and len(value) > 0
-                                     and all(_is_number(v) for v in value))
-    if kind == "dict":
-        return isinstance(value, dict)
-    raise AssertionError(kind)
-
-
-def _check_value(name: str, value: Any) -> None:
-    """The per-attribute rules: type, minimum, output_mode values, splits on consecutive IPUs."""
-    kind, _, minimum = _SPEC[name]
-    if not _type_ok(kind, value):
-        allowed = _TYPE_WORDS[kind.rstrip("?")] + (" or None" if kind.endswith("?") else "")
-        raise IPUConfigTypeError(
-            f"IPUConfig.{name} = {value!r}: expected {allowed}, got {type(value).__name__}. "
-            f"Set {name} to {allowed} (see the README's IPUConfig section).")
-    if value is None:
-        return
-    if minimum is not None:
-        items = value if isinstance(value, list) else [value]
-        if any(v < minimum for v in items):
-            what = "every element" if isinstance(value, list) else "the value"
-            raise IPUConfigError(
-                f"IPUConfig.{name} = {value!r}: {what} must be >= {minimum}. "
-                f"Use values >= {minimum}" + (" (-1 is the wildcard: split the remaining layers "
-                                             "evenly)." if name.endswith("layers_per_ipu") else "."))
-    if name == "output_mode" and value not in OUTPUT_MODES:
-        raise IPUConfigError(
-            f"IPUConfig.output_mode = {value!r}: use one of {list(OUTPUT_MODES)} "
-            "('default' returns 'all' for inference and 'final' for training).")
-    if name in _SPLITS:
-        if sum(value) < 1:
-            raise IPUConfigError(
-                f"IPUConfig.{name} = {value!r}: put at least 1 split on 1 IPU, or set it to None.")
-        for i, splits in enumerate(value[:-1]):
-            if splits and value[i + 1] == 0 and sum(value[i + 1:]) != 0:
-                raise IPUConfigError(
-                    f"IPUConfig.{name} = {value!r}: the splits must be on consecutive IPUs "
-                    "(no zeros between IPUs holding splits), e.g. [3, 1, 0, 0] not [3, 0, 1, 0].")
-
-
-def _unknown_keys_error(keys: Iterable[str], where: str) -> IncompatibleIPUConfigError:
-    lines = []
-    for key in sorted(keys):
-        close = difflib.get_close_matches(key, ATTRIBUTES, n=1, cutoff=0.6)
-        lines.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return IncompatibleIPUConfigError(
-        f"IPUConfig {where} unknown keys: {', '.join(lines)}. Remove them, or use "
-        f"IPUConfig's attributes: {', '.join(ATTRIBUTES)}.")
-
-
-class IPUConfig:
+class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
     """optimum-graphcore's IPU configuration: batching, placement and IPU compiler settings.
 
     >>> config = IPUConfig(layers_per_ipu=[2, 2, 2, 2], gradient_accumulation_steps=8)
@@ -204,6 +61,10 @@ class IPUConfig:
 
     Every keyword is an attribute (see the README's "IPUConfig" section for the
     full list and defaults); an unknown keyword is an :class:`IncompatibleIPUConfigError`.
+    This class holds the attributes, their checks on assignment and the
+    training/inference modes; serialisation is inherited from
+    :mod:`ipukit.ipu_config_io`, the conversion to Options from
+    :mod:`ipukit.ipu_config_options`; the rules live in :mod:`ipukit.ipu_config_rules`.
     """
 
     CONFIG_NAME = IPU_CONFIG_NAME
@@ -243,7 +104,7 @@ class IPUConfig:
             args["layers_per_ipu"] = list(layers_per_ipu)
         args["execute_encoder_on_cpu_for_generation"] = kwargs.pop(
             "execute_encoder_on_cpu_for_generation", False)
-        self._read_legacy(args, kwargs)
+        read_legacy(args, kwargs, self._notes)
         if kwargs:
             raise _unknown_keys_error(kwargs, "received")
 
@@ -267,24 +128,6 @@ class IPUConfig:
             if name not in self.__dict__:
                 setattr(self, name, args[name])
         self._validate_ipu_config()
-
-    def _read_legacy(self, args: Dict[str, Any], kwargs: Dict[str, Any]) -> None:
-        """Older Hub files: drop metadata and deprecated keys; a factor of 0 means unset."""
-        for key in METADATA_KEYS:
-            if key in kwargs:
-                self._notes.append(f"{key}={kwargs.pop(key)!r}: metadata, dropped")
-        for key, why in DEPRECATED_KEYS.items():
-            if key in kwargs:
-                value = kwargs.pop(key)
-                note = f"{key}={value!r}: deprecated and dropped ({why})"
-                self._notes.append(note)
-                warnings.warn(f"IPUConfig: {note}.", UserWarning, stacklevel=4)
-        for name in _FACTORS:
-            if args.get(name) == 0 and not isinstance(args.get(name), bool):
-                args[name] = None
-                note = f"{name}=0: read as unset (1, not serialised), as older files meant"
-                self._notes.append(note)
-                warnings.warn(f"IPUConfig: {note}.", UserWarning, stacklevel=4)
 
     # -- attribute validation ---------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -341,255 +184,20 @@ class IPUConfig:
             return f"inference_{attr}"
         return attr
 
+    @contextlib.contextmanager
+    def _in_mode(self, mode: str) -> Iterator["IPUConfig"]:
+        """Read and write ``mode``'s views for a while, then return to the current mode."""
+        old_mode = self._mode
+        self.mode = mode
+        try:
+            yield self
+        finally:
+            object.__setattr__(self, "_mode", old_mode)
+
     # -- cross-checks --------------------------------------------------------------
     def _validate_ipu_config(self) -> "IPUConfig":
-        """The rules between attributes, in both modes (optimum's ``_validate_ipu_config``)."""
-        if self.replicated_tensor_sharding and self.replication_factor == 1:
-            _log.warning("IPUConfig: replicated_tensor_sharding is not used when "
-                         "replication_factor=1")
-        old_mode = self._mode
-        try:
-            for mode in MODES:
-                self.mode = mode
-                ipus_name = self._get_managed_attr_mode_name("ipus_per_replica")
-                ipus = self._ipus_per_replica
-                matmul = self._matmul_proportion
-                if isinstance(matmul, list) and len(matmul) != ipus:
-                    raise IncompatibleIPUConfigError(
-                        f"IPUConfig.{self._get_managed_attr_mode_name('matmul_proportion')}="
-                        f"{matmul} has {len(matmul)} entries but {ipus_name}={ipus}: give one "
-                        f"proportion per IPU, or a single float for all.")
-                layers = self._layers_per_ipu
-                if -1 not in layers and len(layers) != ipus:
-                    raise IncompatibleIPUConfigError(
-                        f"IPUConfig.{self._get_managed_attr_mode_name('layers_per_ipu')}={layers} "
-                        f"places layers on {len(layers)} IPUs but {ipus_name}={ipus}: give one "
-                        f"entry per IPU (-1 entries split the remaining layers evenly), or set "
-                        f"{ipus_name}={len(layers)}.")
-                for layer in ("embedding", "projection"):
-                    splits_name = self._get_managed_attr_mode_name(f"serialized_{layer}_splits_per_ipu")
-                    factor_name = self._get_managed_attr_mode_name(f"{layer}_serialization_factor")
-                    splits, factor = getattr(self, splits_name), getattr(self, factor_name)
-                    if not (splits or factor):
-                        setattr(self, factor_name, 1)
-                    elif splits and factor:
-                        raise IncompatibleIPUConfigError(
-                            f"IPUConfig: only one of {factor_name}={factor} and {splits_name}="
-                            f"{splits} may be set. Use {factor_name} to serialise the {layer} "
-                            f"layer on one IPU, or {splits_name} to spread its splits over "
-                            "chosen IPUs.")
-                    if splits and len(splits) != ipus:
-                        raise IncompatibleIPUConfigError(
-                            f"IPUConfig.{splits_name}={splits} has {len(splits)} entries but "
-                            f"{ipus_name}={ipus}: give one entry per IPU.")
-        finally:
-            object.__setattr__(self, "_mode", old_mode)
-        return self
-
-    # -- serialisation -------------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
-        """Every attribute (not the mode), as a JSON-serialisable dict."""
-        return {name: copy.deepcopy(getattr(self, name)) for name in ATTRIBUTES}
-
-    def to_json_string(self, use_diff: bool = True) -> str:
-        """The configuration as JSON (sorted keys, 2-space indent, final newline).
-
-        ``use_diff`` is accepted for optimum's signature; every attribute is written
-        either way, as optimum's IPUConfig did.
-        """
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-
-    def to_json_file(self, json_file_path: Union[str, os.PathLike], use_diff: bool = True) -> None:
-        """Write :meth:`to_json_string` to ``json_file_path``."""
-        with open(json_file_path, "w", encoding="utf-8") as f:
-            f.write(self.to_json_string(use_diff))
-
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs: Any) -> str:
-        """Write ``save_directory/ipu_config.json`` (the folder is created); returns the path."""
-        if kwargs.get("push_to_hub"):
-            raise UnsupportedError(
-                "IPUConfig.save_pretrained(push_to_hub=True): ipukit does not upload. Save "
-                "locally, then upload ipu_config.json with huggingface_hub's upload_file.")
-        if os.path.isfile(save_directory):
-            raise IPUConfigError(
-                f"IPUConfig.save_pretrained({str(save_directory)!r}): that is a file; pass a "
-                f"directory (the file written is <directory>/{IPU_CONFIG_NAME}).")
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, IPU_CONFIG_NAME)
-        self.to_json_file(path)
-        return path
-
-    @classmethod
-    def from_dict(cls, config_dict: Dict[str, Any], **kwargs: Any):
-        """Build from a dict (an ``ipu_config.json``'s contents); ``kwargs`` override attributes.
-
-        With ``return_unused_kwargs=True`` returns ``(config, unused)`` and unknown
-        override keys are returned instead of raising.
-        """
-        return_unused = kwargs.pop("return_unused_kwargs", False)
-        if not isinstance(config_dict, dict):
-            raise IPUConfigError(f"IPUConfig.from_dict({config_dict!r}): expected a dict.")
-        config = cls(**config_dict)
-        unused = {k: v for k, v in kwargs.items() if k not in _SPEC}
-        if unused and not return_unused:
-            raise _unknown_keys_error(unused, "override has")
-        for key, value in kwargs.items():
-            if key in _SPEC:
-                setattr(config, key, value)
-        if len(unused) < len(kwargs):
-            config._validate_ipu_config()
-        return (config, unused) if return_unused else config
-
-    @classmethod
-    def from_json_file(cls, json_file: Union[str, os.PathLike]) -> "IPUConfig":
-        """Build from a JSON file."""
-        return cls.from_dict(_read_json(str(json_file)))
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike],
-                        **kwargs: Any):
-        """Load an ``ipu_config.json``: a file, a folder holding one, or a Hugging Face Hub id.
-
-        Keyword arguments that name attributes override the loaded values (then the
-        cross-checks run again); ``revision=``, ``cache_dir=``, ``token=`` go to the Hub
-        download; ``return_unused_kwargs=True`` returns ``(config, unused)``. A Hub id
-        (``"Graphcore/vit-base-ipu"``) needs ``huggingface_hub`` and a network connection;
-        otherwise download the file and pass its path.
-        """
-        hub_kwargs = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token",
-                                                  "use_auth_token", "force_download",
-                                                  "local_files_only", "subfolder")
-                      if k in kwargs}
-        path = _resolve(str(pretrained_model_name_or_path), hub_kwargs)
-        return cls.from_dict(_read_json(path), **kwargs)
-
-    def update_from_string(self, update_str: str) -> "IPUConfig":
-        """Update attributes from ``"name=value,name=value"``.
-
-        Values are read as the attribute's type: ints, floats, ``true``/``false``
-        (also ``1``/``0``, ``yes``/``no``), strings as they are, lists as
-        ``[a b c]``; ``none`` sets an optional attribute to None. The cross-checks run
-        after all the updates, e.g. ``"layers_per_ipu=[4 4],ipus_per_replica=2"``.
-        """
-        if not isinstance(update_str, str):
-            raise IPUConfigError(f"IPUConfig.update_from_string({update_str!r}): expected a string "
-                                 "such as 'device_iterations=4,layers_per_ipu=[2 2]'.")
-        updates = {}
-        for item in update_str.split(","):
-            key, sep, text = item.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise IPUConfigError(
-                    f"IPUConfig.update_from_string({update_str!r}): {item!r} is not name=value. "
-                    "Separate updates with commas and list items with spaces: "
-                    "'device_iterations=4,layers_per_ipu=[2 2]'.")
-            if key not in _SPEC:
-                raise _unknown_keys_error([key], "update_from_string:")
-            updates[key] = _parse_value(key, text.strip(), getattr(self, key))
-        for key, value in updates.items():
-            setattr(self, key, value)
-        self._validate_ipu_config()
-        return self
-
-    # -- batching and options ----------------------------------------------------
-    def batch_size_factor(self, for_inference: bool = False) -> int:
-        """Combined batch ÷ micro-batch: replication × gradient accumulation (1 for inference) × device iterations."""
-        if for_inference:
-            return self.inference_replication_factor * self.inference_device_iterations
-        return (self.replication_factor * self.gradient_accumulation_steps
-                * self.device_iterations)
-
-    def to_options(self, for_inference: bool = False, compile_only: bool = False):
-        """The :class:`~ipukit.Options` for training (or inference) that this configuration describes.
-
-        Honoured: replication, device iterations, gradient accumulation (reduced
-        with Mean), the output mode (``All`` for inference), the seed, optimiser
-        state off chip, and the execution strategy:
-        ``PipelinedExecution(AutoStage.AutoIncrement)`` for training,
-        ``ShardedExecution(AutoStage.AutoIncrement)`` for inference. Blocks give the
-        IPUs (``parallelize``). IPU compiler settings are recorded, no effect.
-        """
-        from .options import Options, TensorLocationSettings
-        from .strategies import PipelinedExecution, ShardedExecution
-
-        if self.execute_encoder_on_cpu_for_generation:
-            raise UnsupportedError(
-                "IPUConfig.execute_encoder_on_cpu_for_generation=True is not supported "
-                "(optimum-graphcore did not support it either); set it to false.")
-        old_mode = self._mode
-        self.eval() if for_inference else self.train()
-        try:
-            opts = Options()
-            opts.autoRoundNumIPUs(True)
-            opts.replicationFactor(self.inference_replication_factor if for_inference
-                                   else self.replication_factor)
-            opts.deviceIterations(self.inference_device_iterations if for_inference
-                                  else self.device_iterations)
-            if for_inference:
-                opts.outputMode(OutputMode.All)
-            else:
-                opts.Training.gradientAccumulation(self.gradient_accumulation_steps)
-                opts.Training.accumulationAndReplicationReductionType(ReductionType.Mean)
-                if self.auto_loss_scaling:
-                    opts.Training.setAutomaticLossScaling(True)
-                opts.outputMode({"all": OutputMode.All, "sum": OutputMode.Sum,
-                                 "final": OutputMode.Final,
-                                 "default": OutputMode.Default}[self.output_mode])
-            if self.seed is not None:
-                opts.randomSeed(self.seed)
-            opts.TensorLocations.setOptimizerLocation(
-                TensorLocationSettings().useOnChipStorage(not self.optimizer_state_offchip)
-                .useReplicatedTensorSharding(self.replicated_tensor_sharding
-                                             and opts.replication_factor > 1))
-            strategy = ShardedExecution if for_inference else PipelinedExecution
-            opts.setExecutionStrategy(strategy(AutoStage.AutoIncrement))
-            if compile_only:
-                opts.useOfflineIpuTarget()
-            proportion = self._matmul_proportion
-            if not isinstance(proportion, list):
-                proportion = [proportion] * self._ipus_per_replica
-            opts.setAvailableMemoryProportion(
-                {f"IPU{i}": p for i, p in enumerate(proportion[:self._ipus_per_replica])})
-            if self.executable_cache_dir and self.executable_cache_dir != "disabled":
-                opts.enableExecutableCaching(self.executable_cache_dir)
-            opts.Precision.enableStochasticRounding(not for_inference)
-            if self.enable_half_partials:
-                opts.Precision.setPartialsType(torch.float16)
-        finally:
-            object.__setattr__(self, "_mode", old_mode)
-        return opts
-
-    def ignored_settings(self, for_inference: bool = False) -> Dict[str, Any]:
-        """The IPU-only settings this configuration uses that ipukit accepts and ignores.
-
-        Only values that ask for something (a half-precision partials flag, a
-        serialisation factor above 1, a cache folder, ...) are listed, under their
-        attribute names for the given mode.
-        """
-        old_mode = self._mode
-        self.eval() if for_inference else self.train()
-        try:
-            found: Dict[str, Any] = {}
-            name = self._get_managed_attr_mode_name("matmul_proportion")
-            found[name] = getattr(self, name)
-            for flag in ("enable_half_partials", "auto_loss_scaling"):
-                if getattr(self, flag) and not (for_inference and flag == "auto_loss_scaling"):
-                    found[flag] = True
-            if self.replicated_tensor_sharding:
-                found["replicated_tensor_sharding"] = True
-            if self.executable_cache_dir:
-                found["executable_cache_dir"] = self.executable_cache_dir
-            if for_inference and self.explicit_ir_inference:
-                found["explicit_ir_inference"] = True
-            for layer in ("embedding", "projection"):
-                for attr in (f"{layer}_serialization_factor", f"serialized_{layer}_splits_per_ipu"):
-                    name = self._get_managed_attr_mode_name(attr)
-                    value = getattr(self, name)
-                    if value is not None and value != 1:
-                        found[name] = value
-            return found
-        finally:
-            object.__setattr__(self, "_mode", old_mode)
+        """The rules between attributes, in both modes (:func:`.ipu_config_rules.cross_check`)."""
+        return cross_check(self)
 
     @property
     def legacy_notes(self) -> List[str]:
@@ -608,95 +216,6 @@ class IPUConfig:
         for key, value in self.__dict__.items():
             object.__setattr__(clone, key, copy.deepcopy(value, memo))
         return clone
-
-
-def _parse_value(key: str, text: str, old: Any) -> Any:
-    """One ``update_from_string`` value, read as the type of the attribute."""
-    kind = _SPEC[key][0]
-    lower = text.lower()
-    try:
-        if lower in ("none", "null") and kind.endswith("?"):
-            return None
-        if text.startswith("[") and text.endswith("]"):
-            return json.loads("[" + ",".join(text[1:-1].split()) + "]")
-        if kind == "bool":
-            if lower in ("true", "1", "y", "yes"):
-                return True
-            if lower in ("false", "0", "n", "no"):
-                return False
-            raise ValueError(text)
-        if kind.startswith("int"):
-            return int(text)
-        if kind == "prop":
-            return float(text)
-        if kind == "str":
-            return text
-    except (ValueError, json.JSONDecodeError):
-        pass
-    raise IPUConfigError(
-        f"IPUConfig.update_from_string: {key}={text!r} cannot be read as "
-        f"{_TYPE_WORDS[kind.rstrip('?')]} (current value {old!r}). Write booleans as true/false "
-        "and lists as [a b c].")
-
-
-def _read_json(path: str) -> Dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise IPUConfigError(f"IPUConfig: cannot read {path!r} ({exc.strerror or exc}).") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise IPUConfigError(f"IPUConfig: {path!r} is not valid JSON ({exc}). An ipu_config.json "
-                             "holds one JSON object of attribute: value pairs.") from exc
-    if not isinstance(data, dict):
-        raise IPUConfigError(f"IPUConfig: {path!r} holds {type(data).__name__}, not a JSON "
-                             "object of attribute: value pairs.")
-    return data
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return (1 <= len(parts) <= 2 and all(parts) and not name.endswith(".json")
-            and not name.startswith((".", "~")))
-
-
-def _resolve(name: str, hub_kwargs: Dict[str, Any]) -> str:
-    """A local file, ``<folder>/ipu_config.json``, or the Hub's copy of a repository's file."""
-    if os.path.isfile(name):
-        return name
-    if os.path.isdir(name):
-        path = os.path.join(name, hub_kwargs.get("subfolder") or "", IPU_CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise IPUConfigError(f"IPUConfig.from_pretrained({name!r}): the folder has no "
-                                 f"{IPU_CONFIG_NAME}. Pass the JSON file's own path, or a folder "
-                                 f"written by save_pretrained.")
-        return path
-    local_hint = (f"Download {IPU_CONFIG_NAME} from https://huggingface.co/{name} and pass its "
-                  "local path (or the folder holding it) to IPUConfig.from_pretrained.")
-    if not _looks_like_hub_id(name):
-        raise IPUConfigError(f"IPUConfig.from_pretrained({name!r}): no such file or folder. Pass "
-                             f"the path of an {IPU_CONFIG_NAME}, a folder holding one, or a "
-                             "Hugging Face Hub id such as 'Graphcore/vit-base-ipu'.")
-    try:
-        import huggingface_hub
-    except ImportError:
-        raise IPUConfigError(
-            f"IPUConfig.from_pretrained({name!r}): no local file or folder of that name, and "
-            "loading from the Hugging Face Hub needs the huggingface_hub package, which is not "
-            f"installed (pip install huggingface_hub). {local_hint}") from None
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise IPUConfigError(
-            f"IPUConfig.from_pretrained({name!r}): no local file or folder of that name, and "
-            f"HF_HUB_OFFLINE is set, so the Hub is not asked. {local_hint}")
-    if "use_auth_token" in hub_kwargs:
-        hub_kwargs["token"] = hub_kwargs.pop("use_auth_token")
-    try:
-        return huggingface_hub.hf_hub_download(name, IPU_CONFIG_NAME, **hub_kwargs)
-    except Exception as exc:  # noqa: BLE001 - offline, missing repo or file: one clear message
-        raise IPUConfigError(
-            f"IPUConfig.from_pretrained({name!r}): could not fetch {IPU_CONFIG_NAME} from the "
-            f"Hugging Face Hub ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-            f"Check the id and the network, or: {local_hint}") from exc
 
 
 # -- placement helpers (optimum-graphcore's modeling_utils names) ---------------------

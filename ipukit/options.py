@@ -23,8 +23,10 @@ from .anchors import Anchor
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import OptionsError
 from .options_base import _IgnoredGroup, _jsonable, _OptionGroup, _positive_int
-from .options_setters import SCHEDULES, _IpukitSetters, _PopTorchSetters  # noqa: F401 (SCHEDULES: its old home)
+# SCHEDULES has always been importable from here
+from .options_setters import SCHEDULES, _IpukitSetters, _PopTorchSetters  # noqa: F401
 from .strategies import PipelinedExecution, ShardedExecution
+
 
 class TensorLocationSettings(_OptionGroup):
     """Where a kind of tensor lives: on the IPU (on chip) or in host memory."""
