@@ -307,6 +307,45 @@ def test_tutorial_mnist_as_four_processes_learns_like_threads(data_root, tmp_pat
     assert abs(processes["test_acc"] - threaded_acc) < 1.5
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1",
+                    reason="a 4-process launch of the training script (about 45 s): set IPUKIT_SLOW=1")
+def test_training_script_runs_as_four_processes(data_root, tmp_path):
+    """``ipukit-run -n 4 -m ipukit.examples.mnist_pipeline``: the script unchanged, 4 stages as
+    4 processes, its smallest quick settings (GA 7 = 2·4 − 1, DI 1): 10 training calls of
+    280 samples, then 2 test calls; process 0's profile holds every process's spans."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", IPUKIT_DIST_TIMEOUT="120")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    profile = tmp_path / "profile"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ipukit.distributed.run", "-n", "4",
+         "-m", "ipukit.examples.mnist_pipeline", "--data", data_root, "--epochs", "1",
+         "--limit-train", "2800", "--limit-test", "560", "--batch-size", "40",
+         "--test-batch-size", "40", "--device-iterations", "1", "--gradient-accumulation", "7",
+         "--profile", "--profile-dir", str(profile)],
+        env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracies = [float(line.rsplit(" ", 1)[1].rstrip("%")) for line in proc.stdout.splitlines()
+                  if line.startswith("Accuracy on test set:")]
+    print(f"ipukit-run -n 4 -m ipukit.examples.mnist_pipeline: {seconds:.1f} s, "
+          f"test accuracy {accuracies}")
+    assert len(accuracies) == 4 and len(set(accuracies)) == 1  # every process: the same model
+    assert accuracies[0] > 40.0  # 2800 samples: far above chance (10 %), so it trained
+    traces = sorted(profile.glob("training-call*.trace.json"))
+    assert len(traces) == 10  # process 0 only writes, one per call
+    for path in traces:
+        trace = json.loads(path.read_text())
+        assert trace["otherData"]["processes"] == 4 and trace["otherData"]["gathered"]
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        for ipu in range(4):  # each process (virtual IPU) ran 7 forwards and 7 backwards
+            for kind in ("forward", "backward"):
+                assert sum(e["tid"] == ipu + 1 and e["cat"] == kind for e in spans) == 7
+    for page in profile.glob("*.html"):  # 4.5 MB each (plotly.js embedded)
+        page.unlink()
+
+
 def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     from ipukit.distributed.runtime import ensure_process_group
 
