@@ -23,6 +23,7 @@ from .ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, cust
                   set_available_memory, set_overlap_for_input, set_overlap_for_output)
 from .options import Options, TensorLocationSettings
 from .schedule import Action, Schedule
+from .compare import compare_schedules
 from .simulate import costs_from, model_like, play_on_cores, simulate
 from .strategies import (ParallelPhasedExecution, Phase, PhasedExecution, PipelinedExecution,
                          SerialPhasedExecution, ShardedExecution, Stage)
@@ -86,7 +87,7 @@ __all__ = [
     "SerialPhasedExecution", "ShardedExecution", "Stage", "SyncPattern", "TensorLocationSettings",
     "Timeline", "Action", "Schedule", "costs_from", "model_like", "play_on_cores", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
-    "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate",
+    "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate", "compare_schedules",
     "trainingModel", "AnchorMode", "CommGroupType", "Liveness", "MatMulSerializationMode",
     "MultiConvPlanType", "OverlapMode", "SharingStrategy", "VariableRetrievalMode", "CPU",
     "MultiConv", "NameScope", "cond", "ctc_beam_search_decoder", "custom_op", "dynamic_slice",

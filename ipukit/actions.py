@@ -17,7 +17,9 @@ import torch
 
 from .errors import LossError
 from .gpu_clock import GpuClock
-from .schedule import BACKWARD, FORWARD, Action
+from .fused import FusedBackward
+from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from .split_backward import backward_input, backward_weight
 from .timeline import Event, KIND_NAMES
 from .update import LOW_PRECISION
 from .workers import Aborted
@@ -41,18 +43,10 @@ class ActionRunner:
         self.float32_accumulation = float32_accumulation
         self.anchors = anchors
         self.keep_rows = keep_rows  # micro-batch rows whose outputs the output mode returns
-        # One thread runs every stage of a micro-batch in turn (sharded): the stages'
-        # autograd graphs stay connected and one backward pass serves them all, as in
-        # a plain PyTorch loop; gradient hooks at stage boundaries time each stage.
-        self.fused = fused and plan.training
-        # On one thread with no replica or anchor to tell micro-batches apart, the fused
-        # backward accumulates straight into ``p.grad`` (autograd reuses those buffers
-        # instead of allocating fresh gradients every micro-batch, as a plain loop does);
-        # float32 weights only, so half-precision gradients still accumulate in float32.
-        self.grads_in_params = (self.fused and replicas == 1 and anchors is None and
-                                all(p.dtype == torch.float32 for ps in plan.trainable for p in ps))
+        # One thread runs every stage of a micro-batch in turn: one backward pass for all
+        # (see ipukit.fused); schedules with split backwards keep their stages apart.
+        self.fused = FusedBackward(self) if fused and plan.training else None
         self.clock = GpuClock()
-        self._all_params = [p for params in plan.trainable for p in params]
 
     def index(self, a: Action, replica: int) -> int:
         """The micro-batch's row in the call's combined batch."""
@@ -76,10 +70,10 @@ class ActionRunner:
                     v = v.clone()
             elif ref.kind == "stage":
                 v = self.exchange.take(("A", a.stage, pos, a.iteration, a.micro_batch, replica))
-                if self.fused:
+                if self.fused is not None:
                     if isinstance(v, torch.Tensor) and v.requires_grad and not hooked:
                         hooked = True
-                        v.register_hook(self._timer(stash, a))
+                        v.register_hook(self.fused.timer(stash, a))
                 elif isinstance(v, torch.Tensor):
                     needs_grad = plan.training and v.requires_grad
                     v = v.detach()
@@ -107,7 +101,7 @@ class ActionRunner:
             self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
         return ready, end
 
-    def _loss_seed(self, outs) -> Optional[torch.Tensor]:
+    def loss_seed(self, outs) -> Optional[torch.Tensor]:
         plan = self.plan
         loss = outs[plan.loss_item]
         if not loss.requires_grad:
@@ -121,52 +115,10 @@ class ActionRunner:
                 "'return output, loss').")
         return loss
 
-    @staticmethod
-    def _timer(stash: dict, a: Action):
-        """A hook noting when the gradient reaching stage ``a.stage``'s input is ready."""
-        def hook(grad):
-            stash[("grad-ready", a.stage, a.iteration, a.micro_batch)] = time.perf_counter()
-        return hook
-
-    def _fused_backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
-        """The last stage's backward runs every stage's; the others report their share."""
-        key = (a.iteration, a.micro_batch)
-        span = stash.pop(("span", a.stage) + key, None)
-        if span is not None:
-            return span
-        plan = self.plan
-        n = plan.partition.num_stages
-        outs = {s: stash.pop((s,) + key)[1] for s in range(n)}
-        start = time.perf_counter()
-        loss = self._loss_seed(outs[plan.loss_stage])
-        params = self._all_params
-        seed = None if loss is None else [torch.full_like(loss, self.loss_scaling)]
-        if loss is not None and params and self.grads_in_params:
-            torch.autograd.backward([loss], seed, inputs=params)
-        else:
-            result = (torch.autograd.grad([loss], params, seed, allow_unused=True)
-                      if loss is not None and params else [None] * len(params))
-            first = 0
-            for s in range(n):
-                count = len(plan.trainable[s])
-                self._accumulate(a._replace(stage=s), replica, plan.trainable[s],
-                                 result[first:first + count])
-                first += count
-        if plan.record and params and params[0].device.type == "cuda":
-            torch.cuda.synchronize(params[0].device)  # one pass for every stage: time its work
-        end = time.perf_counter()
-        for s in reversed(range(n)):  # stage s ran from its successor's input gradient to its own
-            began = stash.pop(("grad-ready", s + 1) + key, start) if s < n - 1 else start
-            done = stash.get(("grad-ready", s) + key, end) if s > 0 else end
-            stash[("span", s) + key] = (began, max(began, done))
-        return stash.pop(("span", a.stage) + key)
-
-    def backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
-        if self.fused:
-            return self._fused_backward(a, replica, stash)
+    def _seeds(self, a: Action, replica: int, outs) -> Tuple[list, list]:
+        """The stage's outputs that later stages sent gradients for (and the loss), with them."""
         plan = self.plan
         s = a.stage
-        args, outs = stash.pop((s, a.iteration, a.micro_batch))
         incoming: Dict[int, torch.Tensor] = {}
         for consumer, pos, item in plan.consumers[s]:
             src = outs[item]
@@ -176,43 +128,77 @@ class ActionRunner:
                     if g.device != src.device:  # the consumer ran on another device
                         g = g.to(src.device)
                     incoming[item] = incoming[item] + g if item in incoming else g
-        device = plan.device_of(s)
-        on_gpu = device.type == "cuda" and plan.record
-        ready = self.clock.mark(device) if on_gpu else time.perf_counter()
         seeds = [outs[i] for i in incoming]
         grads = [incoming[i] for i in incoming]
         if s == plan.loss_stage:
-            loss = self._loss_seed(outs)
+            loss = self.loss_seed(outs)
             if loss is not None:
                 seeds.append(loss)
                 # loss scaling (PopTorch's optimiser argument): scaled here, unscaled at the step
                 grads.append(torch.full_like(loss, self.loss_scaling))
+        return seeds, grads
+
+    def _send_input_grads(self, a: Action, replica: int, diff_inputs, grads) -> None:
+        stage_args = self.plan.partition.stages[a.stage].args
+        for (pos, _), g in zip(diff_inputs, grads):
+            ref = stage_args[pos]
+            if ref.kind == "stage":
+                self.exchange.put(("G", ref.index, a.stage, pos, a.iteration, a.micro_batch,
+                                   replica), g)
+
+    def _clock(self, stage: int):
+        device = self.plan.device_of(stage)
+        if device.type == "cuda" and self.plan.record:
+            return lambda: self.clock.mark(device)
+        return time.perf_counter
+
+    def backward(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        """A full backward (``B``): input and parameter gradients in one autograd pass."""
+        if self.fused is not None:
+            return self.fused(a, replica, stash)
+        args, outs = stash.pop((a.stage, a.iteration, a.micro_batch))
+        seeds, grads = self._seeds(a, replica, outs)
+        now = self._clock(a.stage)
+        ready = now()
         diff_inputs = [(pos, v) for pos, v in enumerate(args)
                        if isinstance(v, torch.Tensor) and v.requires_grad]
-        params = plan.trainable[s]
+        params = self.plan.trainable[a.stage]
         targets = [v for _, v in diff_inputs] + params
         if seeds and targets:
             result = torch.autograd.grad(seeds, targets, grads, allow_unused=True)
         else:
             result = [None] * len(targets)
-        self._accumulate(a, replica, params, result[len(diff_inputs):])
-        end = self.clock.mark(device) if on_gpu else time.perf_counter()
-        stage_args = plan.partition.stages[s].args
-        for (pos, _), g in zip(diff_inputs, result):
-            ref = stage_args[pos]
-            if ref.kind == "stage":
-                self.exchange.put(("G", ref.index, s, pos, a.iteration, a.micro_batch, replica), g)
+        self.accumulate(a, replica, params, result[len(diff_inputs):])
+        end = now()
+        self._send_input_grads(a, replica, diff_inputs, result)
         return ready, end
 
-    def collect_param_grads(self) -> None:
-        """Move gradients accumulated in ``p.grad`` (see ``grads_in_params``) to the accumulators."""
-        for s, params in enumerate(self.plan.trainable):
-            acc = self.accumulators[(0, s)]
-            for i, p in enumerate(params):
-                if p.grad is not None:
-                    acc[i], p.grad = p.grad, None
+    def input_grad(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        """The input-gradient half (``I``): what the previous stage waits for, sent at once."""
+        key = (a.stage, a.iteration, a.micro_batch)
+        args, outs = stash.pop(key)
+        seeds, grads = self._seeds(a, replica, outs)
+        now = self._clock(a.stage)
+        ready = now()
+        diff_inputs = [(pos, v) for pos, v in enumerate(args)
+                       if isinstance(v, torch.Tensor) and v.requires_grad]
+        dinputs, pending = backward_input(seeds, grads, [v for _, v in diff_inputs],
+                                          self.plan.trainable[a.stage])
+        stash[("W",) + key] = pending
+        end = now()
+        self._send_input_grads(a, replica, diff_inputs, dinputs)
+        return ready, end
 
-    def _accumulate(self, a: Action, replica: int, params, grads: Sequence) -> None:
+    def weight_grad(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
+        """The weight-gradient half (``W``): from what ``I`` kept, into the accumulators."""
+        pending = stash.pop(("W", a.stage, a.iteration, a.micro_batch))
+        now = self._clock(a.stage)
+        ready = now()
+        params = self.plan.trainable[a.stage]
+        self.accumulate(a, replica, params, backward_weight(pending, params))
+        return ready, now()
+
+    def accumulate(self, a: Action, replica: int, params, grads: Sequence) -> None:
         acc = self.accumulators[(replica, a.stage)]
         for i, g in enumerate(grads):
             if self.anchors is not None:  # before accumulation changes g in place
@@ -233,6 +219,7 @@ class ActionRunner:
         ipus = self.plan.stage_ipus
         exchange = self.exchange
         forward, backward = self.forward, self.backward
+        split = {INPUT_GRAD: self.input_grad, WEIGHT_GRAD: self.weight_grad}
         for a in actions:
             if exchange.aborted:
                 raise Aborted()
@@ -242,6 +229,8 @@ class ActionRunner:
                     start, end = forward(a, replica, stash)
                 elif kind == BACKWARD:
                     start, end = backward(a, replica, stash)
+                elif kind in split:
+                    start, end = split[kind](a, replica, stash)
                 else:
                     continue
             except (Aborted, KeyboardInterrupt):

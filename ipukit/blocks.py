@@ -38,8 +38,12 @@ class Segment:
 class BlockRecorder:
     """Collects the blocks of one trace and inserts the stage cuts."""
 
-    def __init__(self, assigner) -> None:
+    def __init__(self, assigner, split_stages: bool = False) -> None:
         self.assigner = assigner
+        # Schedules with several stages per IPU (a loop, a V) need a cut wherever the
+        # stage changes, even on the same IPU; otherwise consecutive blocks on one IPU
+        # form one stage, PopTorch's rule.
+        self.split_stages = split_stages
         self.segments: List[Segment] = []
         self.entered: List[str] = []
         self._stack: List[tuple] = []
@@ -51,9 +55,10 @@ class BlockRecorder:
         if user_id is None:
             user_id = self.assigner.next_auto_id()
         stage_id, ipu = self.assigner.assign(str(user_id), ipu_id)
-        if self.segments and self.segments[-1].ipu != ipu:
-            pipe_split()
-        if not self.segments or self.segments[-1].ipu != ipu:
+        last = self.segments[-1] if self.segments else None
+        if last is None or last.ipu != ipu or (self.split_stages and stage_id not in last.stage_ids):
+            if last is not None:
+                pipe_split()
             self.segments.append(Segment(ipu))
         seg = self.segments[-1]
         if user_id not in seg.blocks:

@@ -40,12 +40,14 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         torch.manual_seed(opts.random_seed)
     strategy = opts.execution_strategy
     try:
-        part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy)
+        part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy,
+                          _several_stages_per_ipu(opts, training))
     except TracingError as exc:
         if "dtype" not in str(exc):
             raise
         raise InputShapeError(f"{exc}\n{dtype_hint(names, flat, model)}") from exc
-    check_stage_counts(part.num_stages, strategy, opts, training)
+    check_stage_counts(part.num_stages, strategy, opts, training, [st.ipu for st in part.stages],
+                       [st.blocks[0] if st.blocks else f"B{st.index + 1}" for st in part.stages])
     _check_loss(part, training)
     devices = devices_for(part.ipus, opts.device_mapping)
     for st in part.stages:
@@ -91,10 +93,18 @@ def _check_loss(part: partition.Partition, training: bool) -> None:
                 "`with ipukit.Block(\"B4\"): loss = ...`).")
 
 
-def _partition(model: torch.nn.Module, sample, spec, strategy) -> partition.Partition:
+def _several_stages_per_ipu(opts: Options, training: bool) -> bool:
+    """Whether the chosen schedule places several stages on one IPU (a loop or a V)."""
+    from .schedules import LOOPED, V_SHAPED
+
+    return training and schedules.kind_of(opts.pipeline_schedule) in LOOPED + V_SHAPED
+
+
+def _partition(model: torch.nn.Module, sample, spec, strategy,
+               split_stages: bool = False) -> partition.Partition:
     """Trace and split; a model that cannot be traced still runs as one eager stage."""
     try:
-        return partition.trace(model, sample, spec, strategy)
+        return partition.trace(model, sample, spec, strategy, split_stages)
     except TracingError as trace_error:
         if strategy.stages:
             raise
@@ -106,12 +116,32 @@ def _partition(model: torch.nn.Module, sample, spec, strategy) -> partition.Part
         return part
 
 
-def check_stage_counts(n: int, strategy, opts: Options, training: bool) -> None:
+def check_stage_counts(n: int, strategy, opts: Options, training: bool,
+                       stage_ipus: Optional[List[int]] = None,
+                       names: Optional[List[str]] = None) -> None:
     """PopTorch's pipeline depth rules (PopART's: a training pipeline of N stages has N − 1
-    more backward stages, so it needs gradientAccumulation ≥ 2N − 1)."""
+    more backward stages, so it needs gradientAccumulation ≥ 2N − 1); the modern
+    schedules need their placement and their own minimum (:mod:`ipukit.schedules`)."""
     if n <= 1 or isinstance(strategy, ShardedExecution):
         return
     o = opts
+    kind = schedules.kind_of(o.pipeline_schedule)
+    if training and kind not in ("1f1b", "gpipe"):
+        from .schedules import check_placement, minimum_micro_batches
+
+        ipus = stage_ipus if stage_ipus is not None else list(range(n))
+        try:
+            count = check_placement(kind, ipus, names)
+        except schedules.ScheduleError as exc:
+            raise PipelineConfigError(str(exc)) from None
+        needed = minimum_micro_batches(kind, n, count)
+        ga = o.Training.gradient_accumulation
+        if ga < needed:
+            raise PipelineConfigError(
+                f"ipukit.Options().Training.gradientAccumulation must be at least {needed} for "
+                f"pipelineSchedule({o.pipeline_schedule!r}) with {n} stages on {count} IPUs "
+                f"(got {ga}). Set gradientAccumulation to {needed} or more.")
+        return
     if training:
         needed = 2 * n - 1
         ga = o.Training.gradient_accumulation
@@ -140,8 +170,11 @@ def build_schedule(part: partition.Partition, strategy, opts: Options,
     sharded = isinstance(strategy, ShardedExecution) and n > 1
     if training:
         kind = "sharded" if sharded else schedules.kind_of(o.pipeline_schedule)
-        return schedules.build(kind, n, o.Training.gradient_accumulation,
-                               o.device_iterations, stage_ipus)
+        try:
+            return schedules.build(kind, n, o.Training.gradient_accumulation,
+                                   o.device_iterations, stage_ipus)
+        except schedules.ScheduleError as exc:
+            raise PipelineConfigError(str(exc)) from None
     kind = "sharded-inference" if sharded else "inference"
     return schedules.build(kind, n, o.device_iterations, 1, stage_ipus)
 

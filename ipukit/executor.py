@@ -81,7 +81,8 @@ class CallRunner:
         self.actions = ActionRunner(plan, schedule.micro_batches, micro_inputs, replicas,
                                     self.exchange, self.results, self.accumulators,
                                     self.loss_scaling, float32_accumulation, anchors, keep_rows,
-                                    fused=schedule.sequential or self.workers == 1)
+                                    fused=(schedule.sequential or self.workers == 1)
+                                    and not schedule.split_backward)
         self.events: List[List[Event]] = []
         self.steps_done = 0
         self.guard = InterruptGuard()
@@ -90,8 +91,8 @@ class CallRunner:
         """Combine accumulated gradients (Mean or Sum) and step the optimiser once."""
         plan = self.plan
         t_start = time.perf_counter()
-        if self.actions.grads_in_params:
-            self.actions.collect_param_grads()
+        if self.actions.fused is not None:
+            self.actions.fused.collect(self.accumulators)
         grads = update.reduce_gradients(self.accumulators, plan.trainable, self.replicas)
         scale = update.gradient_scale(plan.reduction, self.schedule.micro_batches * self.replicas,
                                       self.loss_scaling)
@@ -141,10 +142,8 @@ class CallRunner:
 
     def _run_inline(self) -> None:
         """A single worker runs on the calling thread (no hand-offs at all)."""
-        if self.actions.grads_in_params:  # the call's backward adds into p.grad: start clean
-            for params in self.plan.trainable:
-                for p in params:
-                    p.grad = None
+        if self.actions.fused is not None:  # its backward may add into p.grad: start clean
+            self.actions.fused.start()
         events: List[Event] = []
         self.events.append(events)
         threads = self.plan.threads_per_worker

@@ -265,24 +265,27 @@ _TRACE_LOCK = threading.RLock()
 
 
 def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
-          strategy: PipelinedExecution) -> Partition:
+          strategy: PipelinedExecution, split_stages: bool = False) -> Partition:
     """Trace ``model`` on one micro-batch and cut it into stages.
+
+    ``split_stages`` cuts wherever the stage changes, even on the same IPU (for
+    schedules that place several stages on one IPU).
 
     Traces run one at a time: torch.export's tracing state is process-wide, so
     models compiled from several threads at once (a dashboard's training thread
     and the notebook, say) take turns. (The block recorder is per context.)
     """
     with _TRACE_LOCK:
-        return _trace(model, flat_inputs, in_spec, strategy)
+        return _trace(model, flat_inputs, in_spec, strategy, split_stages)
 
 
 def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
-           strategy: PipelinedExecution) -> Partition:
+           strategy: PipelinedExecution, split_stages: bool = False) -> Partition:
     from torch.distributed.pipelining import pipeline
 
     flat_model = _FlatModel(model, in_spec, flat_inputs)
     tensors = tuple(v for v in flat_inputs if isinstance(v, torch.Tensor))
-    recorder = _blocks.BlockRecorder(strategy._stage_manager())
+    recorder = _blocks.BlockRecorder(strategy._stage_manager(), split_stages)
     begins: List[Tuple[str, int]] = []
     original_begin = recorder.begin
 

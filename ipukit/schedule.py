@@ -31,6 +31,7 @@ import heapq
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 #: The pipelined training schedules (see :mod:`ipukit.schedules`), by ipukit kind, with the
@@ -115,6 +116,11 @@ class Schedule:
     @property
     def training(self) -> bool:
         return "inference" not in self.kind
+
+    @cached_property
+    def split_backward(self) -> bool:
+        """Whether some backward runs as separate input- and weight-gradient actions."""
+        return any(a.kind == INPUT_GRAD for lane in self.lanes for a in lane)
 
     @property
     def sequential(self) -> bool:

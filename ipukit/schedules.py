@@ -79,8 +79,12 @@ def placement(kind: str, num_stages: int, num_ipus: Optional[int] = None) -> Lis
     return list(range(N))
 
 
-def check_placement(kind: str, stage_ipus: Sequence[int]) -> int:
-    """Raise a :class:`ScheduleError` naming the placement ``kind`` needs; return the IPU count."""
+def check_placement(kind: str, stage_ipus: Sequence[int],
+                    names: Optional[Sequence[str]] = None) -> int:
+    """Raise a :class:`ScheduleError` naming the placement ``kind`` needs; return the IPU count.
+
+    ``names`` (a block of each stage) make the suggested ``PipelinedExecution`` the user's.
+    """
     ipus = sorted(set(stage_ipus))
     P, N = len(ipus), len(stage_ipus)
     if kind not in LOOPED + V_SHAPED:
@@ -91,7 +95,8 @@ def check_placement(kind: str, stage_ipus: Sequence[int]) -> int:
         title = PIPELINED_KINDS[kind]
         rule = ("stage s on IPU s mod P (a loop)" if kind in LOOPED
                 else "IPU i holds stages i and 2P−1−i (a V)")
-        example = ", ".join(f'Stage("B{s + 1}").ipu({i})' for s, i in enumerate(wanted))
+        names = list(names) if names else [f"B{s + 1}" for s in range(N)]
+        example = ", ".join(f'Stage("{names[s]}").ipu({i})' for s, i in enumerate(wanted))
         raise ScheduleError(
             f"pipelineSchedule({title!r}) needs the placement {rule}: stage IPUs {wanted} for "
             f"{N} stages on {max(wanted) + 1} IPUs, got {list(stage_ipus)}. Place the stages so, "

@@ -11,7 +11,8 @@ import gc
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .schedule import BACKWARD, FORWARD, STEP, Action, Schedule, build, walk
+from .schedule import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule,
+                       build, walk)
 from .timeline import Event, KIND_NAMES, Timeline
 
 Cost = Union[float, Sequence[float]]
@@ -35,7 +36,8 @@ def _gc_paused():
             gc.enable()
 
 
-def _per_stage(value: Cost, n: int, name: str) -> List[float]:
+def per_stage(value: Cost, n: int, name: str) -> List[float]:
+    """A scalar cost for each of ``n`` stages, or a list checked to have ``n`` values."""
     if isinstance(value, (int, float)):
         return [float(value)] * n
     values = [float(v) for v in value]
@@ -60,7 +62,9 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
              backward_cost: Cost = 2.0, transfer_cost: float = 0.0, host_overhead: float = 0.0,
              step_cost: Cost = 0.0, iterations: int = 1, replicas: int = 1,
              stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
-             schedule: Optional[Schedule] = None) -> Timeline:
+             schedule: Optional[Schedule] = None, weight_share: float = 0.5,
+             input_grad_cost: Optional[Cost] = None,
+             weight_grad_cost: Optional[Cost] = None) -> Timeline:
     """Model one host call of a pipeline and return its (modeled) timeline.
 
     ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"sharded"`` (training) or
@@ -71,20 +75,29 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
     is added between stages on different IPUs; ``host_overhead`` is paid once
     per call before the first micro-batch (what device iterations amortise).
 
+    Every kind of :data:`ipukit.schedule.KINDS` is modeled, the modern ones
+    (:mod:`ipukit.schedules`) on the placement they need unless ``stage_ipus``
+    says otherwise; a split backward costs ``(1 − weight_share) × backward`` for
+    its input-gradient half and ``weight_share × backward`` for its weight half
+    (or ``input_grad_cost`` / ``weight_grad_cost`` when given, e.g. measured).
+
     For equal stage costs and no overheads, GPipe's utilisation is exactly
     M / (M + N − 1).
     """
     N = int(num_stages)
-    fwd = _per_stage(forward_cost, N, "forward_cost")
-    bwd = _per_stage(backward_cost, N, "backward_cost")
-    stp = _per_stage(step_cost, N, "step_cost")
+    fwd = per_stage(forward_cost, N, "forward_cost")
+    bwd = per_stage(backward_cost, N, "backward_cost")
+    stp = per_stage(step_cost, N, "step_cost")
     with _gc_paused():  # tens of thousands of small tuples: see _gc_paused
         if schedule is None:
             schedule = build(kind, N, micro_batches, iterations, stage_ipus)
         ipus = schedule.stage_ipus
         t_fwd = [transfer_cost if s > 0 and ipus[s - 1] != ipus[s] else 0.0 for s in range(N)]
         t_bwd = [transfer_cost if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0 for s in range(N)]
-        times = play(schedule.lanes, N, {FORWARD: fwd, BACKWARD: bwd, STEP: stp},
+        i_cost = None if input_grad_cost is None else per_stage(input_grad_cost, N, "input_grad_cost")
+        w_cost = None if weight_grad_cost is None else per_stage(weight_grad_cost, N,
+                                                                  "weight_grad_cost")
+        times = play(schedule.lanes, N, split_costs(fwd, bwd, stp, weight_share, i_cost, w_cost),
                      {FORWARD: t_fwd, BACKWARD: t_bwd}, start_time=host_overhead)
         events = []
         if host_overhead > 0:
@@ -103,6 +116,18 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)
+
+
+def split_costs(fwd: Sequence[float], bwd: Sequence[float], stp: Sequence[float],
+                weight_share: float = 0.5, input_grad: Optional[Sequence[float]] = None,
+                weight_grad: Optional[Sequence[float]] = None) -> Dict[str, Sequence[float]]:
+    """Per-kind action costs; a backward's I and W halves split it by ``weight_share``
+    unless measured halves are given."""
+    if not 0.0 <= weight_share <= 1.0:
+        raise ValueError(f"weight_share must be in [0, 1], got {weight_share}")
+    return {FORWARD: list(fwd), BACKWARD: list(bwd), STEP: list(stp),
+            INPUT_GRAD: list(input_grad) if input_grad else [b * (1 - weight_share) for b in bwd],
+            WEIGHT_GRAD: list(weight_grad) if weight_grad else [b * weight_share for b in bwd]}
 
 
 def costs_from(timeline: Timeline, statistic: str = "median") -> Dict[str, List[float]]:
@@ -173,7 +198,9 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
     stage_ipus = meta.get("stage_ipus")
     schedule = build(kind, N, M, iterations, stage_ipus)
     c = measured.stage_costs(statistic) if costs is None else {
-        k: [float(v) for v in costs.get(k, [0.0] * N)] for k in ("forward", "backward", "step")}
+        k: [float(v) for v in costs.get(k, [0.0] * N)]
+        for k in ("forward", "backward", "step", "input-grad", "weight-grad")
+        if k in costs or k in ("forward", "backward", "step")}
     if any(len(v) != N for v in c.values()):
         raise ValueError(f"costs: expected one value per stage ({N}) for forward/backward/step")
     if not schedule.training:
@@ -183,7 +210,8 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
     if cores is None:
         tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],
                       host_overhead=before, iterations=iterations, replicas=replicas,
-                      samples=samples, schedule=schedule)
+                      samples=samples, schedule=schedule, input_grad_cost=c.get("input-grad"),
+                      weight_grad_cost=c.get("weight-grad"))
     else:
         tl = _simulate_on_cores(schedule, c, int(cores), before, replicas, samples)
     if after > 0:
@@ -197,7 +225,8 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
 def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int,
                        host_overhead: float, replicas: int, samples) -> Timeline:
     N = schedule.num_stages
-    costs = {FORWARD: c["forward"], BACKWARD: c["backward"], STEP: c["step"]}
+    costs = split_costs(c["forward"], c["backward"], c["step"], 0.5, c.get("input-grad"),
+                        c.get("weight-grad"))
     ipus = schedule.stage_ipus
     events = []
     if host_overhead > 0:
