@@ -19,13 +19,13 @@ from .errors import LossError
 from .gpu_clock import GpuClock
 from .fused import FusedBackward
 from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
-from .split_backward import backward_input, backward_weight
+from .split_backward import SplitBackwardActions
 from .timeline import Event, KIND_NAMES
 from .update import LOW_PRECISION
 from .workers import Aborted
 
 
-class ActionRunner:
+class ActionRunner(SplitBackwardActions):
     """Runs actions of one call; shared by every worker of the call."""
 
     def __init__(self, plan, micro_batches: int, micro_inputs: List[list], replicas: int,
@@ -172,31 +172,6 @@ class ActionRunner:
         end = now()
         self._send_input_grads(a, replica, diff_inputs, result)
         return ready, end
-
-    def input_grad(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
-        """The input-gradient half (``I``): what the previous stage waits for, sent at once."""
-        key = (a.stage, a.iteration, a.micro_batch)
-        args, outs = stash.pop(key)
-        seeds, grads = self._seeds(a, replica, outs)
-        now = self._clock(a.stage)
-        ready = now()
-        diff_inputs = [(pos, v) for pos, v in enumerate(args)
-                       if isinstance(v, torch.Tensor) and v.requires_grad]
-        dinputs, pending = backward_input(seeds, grads, [v for _, v in diff_inputs],
-                                          self.plan.trainable[a.stage])
-        stash[("W",) + key] = pending
-        end = now()
-        self._send_input_grads(a, replica, diff_inputs, dinputs)
-        return ready, end
-
-    def weight_grad(self, a: Action, replica: int, stash: dict) -> Tuple[float, float]:
-        """The weight-gradient half (``W``): from what ``I`` kept, into the accumulators."""
-        pending = stash.pop(("W", a.stage, a.iteration, a.micro_batch))
-        now = self._clock(a.stage)
-        ready = now()
-        params = self.plan.trainable[a.stage]
-        self.accumulate(a, replica, params, backward_weight(pending, params))
-        return ready, now()
 
     def accumulate(self, a: Action, replica: int, params, grads: Sequence) -> None:
         acc = self.accumulators[(replica, a.stage)]

@@ -19,7 +19,7 @@ threads, and ipukit accumulates per replica and stage.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -104,3 +104,34 @@ def backward_weight(pending: PendingWeights,
         out.update(zip(rest, result))
     pending.groups, pending.seeds, pending.grads = [], [], []
     return [out.get(i) for i in range(len(params))]
+
+
+class SplitBackwardActions:
+    """The ``I`` and ``W`` actions of :class:`~ipukit.actions.ActionRunner` (a mixin:
+    it uses the runner's stash, gradient routing, clock and accumulators)."""
+
+    def input_grad(self, a, replica: int, stash: dict) -> Tuple[float, float]:
+        """The input-gradient half (``I``): what the previous stage waits for, sent at once."""
+        key = (a.stage, a.iteration, a.micro_batch)
+        args, outs = stash.pop(key)
+        seeds, grads = self._seeds(a, replica, outs)
+        now = self._clock(a.stage)
+        ready = now()
+        diff_inputs = [(pos, v) for pos, v in enumerate(args)
+                       if isinstance(v, torch.Tensor) and v.requires_grad]
+        dinputs, pending = backward_input(seeds, grads, [v for _, v in diff_inputs],
+                                          self.plan.trainable[a.stage])
+        stash[("W",) + key] = pending
+        end = now()
+        self._send_input_grads(a, replica, diff_inputs, dinputs)
+        return ready, end
+
+    def weight_grad(self, a, replica: int, stash: dict) -> Tuple[float, float]:
+        """The weight-gradient half (``W``): from what ``I`` kept, into the accumulators."""
+        pending = stash.pop(("W", a.stage, a.iteration, a.micro_batch))
+        now = self._clock(a.stage)
+        ready = now()
+        params = self.plan.trainable[a.stage]
+        self.accumulate(a, replica, params, backward_weight(pending, params))
+        return ready, now()
+
