@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .schedule import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule,
                        build, walk)
-from .timeline import Event, KIND_NAMES, Timeline
+from .timeline import COMPUTE_KINDS, Event, KIND_NAMES, Timeline
 
 Cost = Union[float, Sequence[float]]
 
@@ -283,7 +283,7 @@ def uncontended_costs(timeline: Timeline, cores: Optional[int] = None,
     cores = available_cores() if cores is None else int(cores)
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    passes = [e for e in timeline.device_events() if e.kind in ("forward", "backward")]
+    passes = [e for e in timeline.device_events() if e.kind in COMPUTE_KINDS]
     marks = sorted([(e.start, 1) for e in passes] + [(e.end, -1) for e in passes])
     # cumulative core-seconds a running pass has received, at each mark
     times, credit = [], []
@@ -308,7 +308,11 @@ def uncontended_costs(timeline: Timeline, cores: Optional[int] = None,
         own.setdefault((e.kind, e.stage), []).append(received(e.end) - received(e.start))
     out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
     steps = timeline.stage_costs(statistic)["step"]
-    for kind in ("forward", "backward"):
+    split = any(e.kind == "input-grad" for e in passes)
+    for kind in ("forward", "backward") + (("input-grad", "weight-grad") if split else ()):
         out[kind] = [agg(own[(kind, s)]) if own.get((kind, s)) else 0.0 for s in stages]
+    if split:  # a stage's backward, when it ran split: its two halves
+        out["backward"] = [b or i + w for b, i, w in
+                           zip(out["backward"], out["input-grad"], out["weight-grad"])]
     out["step"] = list(steps)
     return out

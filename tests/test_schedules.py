@@ -313,3 +313,13 @@ def test_options_and_compile_errors_name_the_fix():
         tm(x, y)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     tm.destroy()
+
+
+def test_schedule_benchmark_measures_and_models_each_schedule():
+    """benchmarks/schedules.py: a measured step and the core-limited model of that call."""
+    from benchmarks.schedules import measure
+
+    tiny = {"width": 8, "layers": 1, "micro_batch": 2, "micro_batches": 4, "calls": 1}
+    for kind in ("zbv", "zb-h1"):
+        r = measure(kind, 2, tiny)
+        assert r["step_ms"] > 0 and 0 < r["model_over_measured"]
