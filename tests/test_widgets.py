@@ -477,3 +477,139 @@ def test_a_training_set_smaller_than_a_call_is_reported(explorer):
     assert "The run failed" in explorer.error.value
     explorer.device_iterations.value = 2
     assert explorer.last_error is None
+
+
+# -- the ViT, placed by layers_per_ipu -----------------------------------------------------
+
+def vit_config(layers=(2, 2, 2, 2), **values):
+    from ipukit.widgets.models import example_models, layered_split
+
+    model = example_models()["ViT"]
+    block_ipus, stage_ipus = layered_split(model, layers)
+    ipus = () if stage_ipus == tuple(range(len(stage_ipus))) else stage_ipus
+    return Config(model="ViT", blocks=model.blocks, layers_per_ipu=layers, ipus=ipus,
+                  split=logic.split_label(model.blocks, block_ipus), **values)
+
+
+def test_layers_per_ipu_text_parses_and_rejects_clearly():
+    from ipukit.widgets.models import LayersPerIpuError, example_models, parse_layers
+
+    vit = example_models()["ViT"]
+    assert parse_layers("2, 2, 2, 2", vit) == (2, 2, 2, 2)
+    assert parse_layers("[3 -1 -1]", vit) == (3, -1, -1)
+    for bad in ("", "2, x", "two"):
+        with pytest.raises(LayersPerIpuError, match="one whole number per IPU"):
+            parse_layers(bad, vit)
+    assert issubclass(LayersPerIpuError, ipukit.Error)
+
+
+@pytest.mark.parametrize("layers, stages", [((2, 2, 2, 2), 4), ((1,) * 8, 8), ((-1, -1, -1), 3),
+                                            ((3, -1, -1), 3), ((0, 4, 4), 3), ((4, 0, 4), 2),
+                                            ((8,), 1)])
+def test_vit_placement_is_what_parallelize_and_the_compiler_do(layers, stages):
+    """The explorer reads the split off the model's own parallelize(IPUConfig); compiling the
+    same configuration gives the same stages, blocks and IPUs."""
+    from ipukit.examples.vit import ViT
+
+    config = vit_config(layers, gradient_accumulation=max(1, 2 * stages - 1), device_iterations=1,
+                        micro_batch_size=4)
+    assert config.num_stages == stages
+    expected = ipukit.get_layer_ipu(ipukit.IPUConfig(layers_per_ipu=list(layers),
+                                                     ipus_per_replica=len(layers)), 8)
+    encoders = [ipu for block, ipu in zip(config.blocks, [config.stage_ipus[s] for s in config.split_ids])
+                if block.startswith("Encoder")]
+    assert encoders == expected
+    result = logic.probe(config, ViT(num_layers=8), lambda m: m,
+                         [torch.zeros(1, 28, 28), torch.zeros((), dtype=torch.long)])
+    assert result.ok, result.error
+    assert [list(st["blocks"]) for st in result.report.stages] == config.stage_blocks
+    assert tuple(st["ipu"] for st in result.report.stages) == config.stage_ipus
+
+
+def test_vit_options_come_from_its_ipu_config():
+    config = vit_config(device_iterations=3, gradient_accumulation=9, offload_optimizer=True,
+                        output_mode="EveryN", output_return_period=3)
+    opts = logic.training_options(config)
+    assert opts.device_iterations == 3 and opts.Training.gradient_accumulation == 9
+    assert opts.output_mode == ipukit.OutputMode.EveryN and opts.output_return_period == 3
+    assert not opts.TensorLocations.on_chip("optimizer")
+    assert isinstance(opts.execution_strategy, ipukit.PipelinedExecution)
+    assert opts.execution_strategy.stages == []          # the blocks' ipu_ids place the stages
+    sharded = logic.training_options(config.with_(sharded=True))
+    assert isinstance(sharded.execution_strategy, ipukit.ShardedExecution)
+    with pytest.raises(ipukit.Error, match="places 6 layers but the model has 8"):
+        vit_config((2, 2, 2))
+
+
+def test_the_vit_pipelines_better_than_the_convnet_with_default_costs():
+    """Issue 13: the ViT's modeled utilisation for [2, 2, 2, 2] is well above the convnet's
+    4-stage split (identical layers balance; two convolutions do not)."""
+    settings = dict(device_iterations=1, gradient_accumulation=8, micro_batch_size=16)
+    vit = logic.modeled_view(vit_config(**settings), logic.default_costs(vit_config().blocks, 16),
+                             60000)
+    conv = logic.modeled_view(Config(**settings), logic.default_costs(BLOCKS, 16), 60000)
+    assert vit.overall > conv.overall + 0.15
+    assert vit.breakdown["shares"]["imbalance"] < conv.breakdown["shares"]["imbalance"] / 3
+    assert max(vit.utilisation.values()) - min(vit.utilisation.values()) < 0.2
+
+
+def test_explorer_switches_to_the_vit_and_back(explorer):
+    assert explorer.model.value == "convnet" and explorer.layers_per_ipu.layout.display == "none"
+    explorer.set(model="ViT")
+    assert explorer.split.layout.display == "none" and explorer.layers_per_ipu.layout.display is None
+    assert explorer.config.layers_per_ipu == (2, 2, 2, 2) and explorer.config.num_stages == 4
+    assert explorer.last_error is None
+    assert [st["blocks"] for st in explorer.probe_result.report.stages] == explorer.config.stage_blocks
+    assert "Encoder" in " ".join(explorer.costs.forward)
+    bars = explorer.modeled_utilisation_figure.data[0]
+    assert list(bars.y) == pytest.approx(logic.bar_values(explorer.modeled_utilisation))
+    explorer.layers_per_ipu.value = "3, -1, -1"
+    assert explorer.config.stage_blocks[0] == ["Embedding", "Encoder0", "Encoder1", "Encoder2"]
+    assert len(explorer.modeled_utilisation_figure.data[0].y) == 3
+    explorer.set(model="convnet")
+    assert explorer.config.split == "B1 | B2 | B3 | B4" and explorer.last_error is None
+
+
+def test_explorer_rejects_layers_that_do_not_fit_and_keeps_the_view(explorer):
+    explorer.set(model="ViT")
+    before = explorer.modeled
+    explorer.layers_per_ipu.value = "2, 2, 2"
+    assert "places 6 layers but the model has 8" in explorer.last_error
+    assert "places 6 layers" in explorer.error.value and explorer.modeled is before
+    assert explorer.run(calls=1) == [] and "places 6 layers" in explorer.last_error
+    explorer.layers_per_ipu.value = "two"
+    assert "one whole number per IPU" in explorer.last_error
+    explorer.layers_per_ipu.value = "4, 4"
+    assert explorer.last_error is None and explorer.config.num_stages == 2
+
+
+def test_explorer_trains_the_vit(explorer):
+    explorer.set(model="ViT", device_iterations=1, gradient_accumulation=7, micro_batch_size=8)
+    records = explorer.run(calls=1)
+    assert len(records) == 1 and explorer.last_error is None, explorer.last_error
+    assert sorted(explorer.measured_utilisation) == [0, 1, 2, 3]
+    assert "costs measured in call 1" in explorer.modeled.cost_source
+    assert set(explorer.costs.forward) == set(explorer.config.blocks)
+    assert explorer.test_accuracy is not None
+    explorer.set(model="convnet")                     # another model: its own, empty history
+    assert explorer.history == [] and not explorer.costs.measured
+
+
+def test_the_verdict_arrives_in_the_background(explorer):
+    explorer.set(gradient_accumulation=9)       # a configuration not compiled yet
+    assert explorer.modeled.config.gradient_accumulation == 9      # modeled at once
+    result = explorer.wait_for_verdict()
+    assert result is not None and result.ok and not explorer.modeler.prober.pending
+    assert explorer.probe_result is result
+
+
+def test_no_class_of_the_widgets_is_over_about_200_lines():
+    """Issue 10's rule for ipukit/widgets: classes split along their seams."""
+    import ast
+    import pathlib
+
+    for path in pathlib.Path(ipukit.__file__).parent.joinpath("widgets").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= 215, f"{path.name}: class {node.name} has {lines} lines"

@@ -3,9 +3,10 @@
 Nothing here touches ipywidgets, so every function can be tested without a
 browser. The flow the dashboard follows:
 
-* a :class:`Config` holds the control values (device iterations, gradient
-  accumulation, micro-batch size, stage split, output mode, pipelined or
-  sharded, GPipe or 1F1B, optimiser offload);
+* a :class:`Config` holds the control values (the model, device iterations,
+  gradient accumulation, micro-batch size, stage split — or, for the ViT, an
+  IPUConfig's ``layers_per_ipu`` — output mode, pipelined or sharded, the
+  schedule, optimiser offload);
 * :func:`training_options` and :func:`strategy_for` turn it into the
   :class:`ipukit.Options` a real run uses;
 * :func:`modeled_view` times one host call with :func:`ipukit.simulate`, from
@@ -19,13 +20,14 @@ browser. The flow the dashboard follows:
 from __future__ import annotations
 
 import itertools
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..enums import OutputMode
+from ..enums import AutoStage, OutputMode
 from ..errors import Error
 from ..options import Options, TensorLocationSettings
 from ..simulate import available_cores, simulate, uncontended_costs
@@ -103,6 +105,15 @@ class Config:
     replicas: int = 1
     learning_rate: float = 0.001
     blocks: Tuple[str, ...] = DEFAULT_BLOCKS
+    model: str = "convnet"
+    #: an IPUConfig's ``layers_per_ipu`` for a model placed by it (the ViT); () otherwise
+    layers_per_ipu: Tuple[int, ...] = ()
+    #: the IPU of each stage, when it is not stage ``s`` on IPU ``s`` (an IPU given no layer)
+    ipus: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("blocks", "layers_per_ipu", "ipus"):     # lists from JSON or asdict
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def split_ids(self) -> Tuple[int, ...]:
@@ -111,6 +122,16 @@ class Config:
     @property
     def num_stages(self) -> int:
         return len(set(self.split_ids))
+
+    @property
+    def stage_ipus(self) -> Tuple[int, ...]:
+        """The virtual IPU of each stage."""
+        return self.ipus or tuple(range(self.num_stages))
+
+    @property
+    def layered(self) -> bool:
+        """Placed by ``layers_per_ipu`` through an :class:`~ipukit.IPUConfig` (the ViT)."""
+        return bool(self.layers_per_ipu)
 
     @property
     def stage_blocks(self) -> List[List[str]]:
@@ -148,7 +169,9 @@ class Config:
 
     def describe(self) -> str:
         execution = "sharded" if self.sharded else f"pipelined {self.schedule}"
-        return (f"{self.split} · {execution} · DI {self.device_iterations} · "
+        split = (f"{self.model}, layers_per_ipu {list(self.layers_per_ipu)}" if self.layered
+                 else self.split if self.model == "convnet" else f"{self.model}, {self.split}")
+        return (f"{split} · {execution} · DI {self.device_iterations} · "
                 f"GA {self.gradient_accumulation} · micro-batch {self.micro_batch_size} · "
                 f"output {self.output_mode}" + (" · optimiser offloaded" if self.offload_optimizer
                                                 else ""))
@@ -165,15 +188,43 @@ def strategy_for(config: Config) -> PipelinedExecution:
     return cls(*stages)
 
 
+def ipu_config_for(config: Config):
+    """The :class:`~ipukit.IPUConfig` of a model placed by ``layers_per_ipu`` (the ViT)."""
+    from .models import ipu_config_for as build
+
+    return build(config.layers_per_ipu, device_iterations=config.device_iterations,
+                 gradient_accumulation_steps=config.gradient_accumulation,
+                 replication_factor=config.replicas,
+                 optimizer_state_offchip=config.offload_optimizer)
+
+
+def prepare_network(config: Config, network: torch.nn.Module,
+                    wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
+    """The module a training model of ``config`` wraps: ``wrap(network)`` (the convnet's
+    loss), or, for a model placed by ``layers_per_ipu``, the network after its own
+    ``parallelize(ipu_config)`` (optimum-graphcore's pattern; the ViT computes its loss)."""
+    if config.layered:
+        return network.parallelize(ipu_config_for(config))
+    return wrap(network)
+
+
 def training_options(config: Config) -> Options:
     """The :class:`ipukit.Options` of a training run with these control values.
 
-    Raises :class:`ipukit.Error` for values ipukit's setters reject.
+    A model placed by ``layers_per_ipu`` starts from its IPUConfig's
+    ``to_options()`` (the stages come from the model's ``BeginBlock`` IPUs), as
+    optimum-graphcore's trainer did. Raises :class:`ipukit.Error` for values
+    ipukit's setters reject.
     """
-    opts = Options().deviceIterations(config.device_iterations)
-    opts.replicationFactor(config.replicas)
-    opts.Training.gradientAccumulation(config.gradient_accumulation)
-    opts.setExecutionStrategy(strategy_for(config))
+    if config.layered:
+        opts = ipu_config_for(config).to_options()
+        if config.sharded:
+            opts.setExecutionStrategy(ShardedExecution(AutoStage.AutoIncrement))
+    else:
+        opts = Options().deviceIterations(config.device_iterations)
+        opts.replicationFactor(config.replicas)
+        opts.Training.gradientAccumulation(config.gradient_accumulation)
+        opts.setExecutionStrategy(strategy_for(config))
     opts.pipelineSchedule(config.schedule)
     mode = OutputMode[config.output_mode]
     if mode == OutputMode.EveryN:
@@ -188,7 +239,11 @@ def training_options(config: Config) -> Options:
 def inference_options(config: Config, device_iterations: int) -> Options:
     """Options of an inference model with the same stages (gradient accumulation 1)."""
     opts = Options().deviceIterations(device_iterations)
-    opts.setExecutionStrategy(strategy_for(config))
+    if config.layered:
+        cls = ShardedExecution if config.sharded else PipelinedExecution
+        opts.setExecutionStrategy(cls(AutoStage.AutoIncrement))
+    else:
+        opts.setExecutionStrategy(strategy_for(config))
     return opts
 
 
@@ -214,12 +269,25 @@ _PER_SAMPLE = {
     "backward": {"B1": 2.4e-5, "B2": 5.4e-5, "B3": 6.0e-6, "B4": 2.0e-6},
 }
 _PER_SAMPLE_OTHER = 1.0e-5          # blocks of other models: all alike
+# The example ViT's blocks (ipukit.examples.vit, width 64, 17 tokens), (fixed, per sample)
+# seconds, measured the same way at micro-batches of 4 to 64 samples and rounded. Every
+# encoder layer costs the same; the embedding and the head (with the loss) are small.
+_VIT = {
+    "forward": {"Embedding": (4.0e-4, 4.0e-6), "Encoder": (3.0e-4, 3.2e-5),
+                "LayerNorm": (5.0e-5, 1.5e-6), "Classifier": (8.0e-5, 1.0e-6)},
+    "backward": {"Embedding": (3.0e-4, 7.0e-6), "Encoder": (3.5e-4, 5.0e-5),
+                 "LayerNorm": (5.0e-5, 1.5e-6), "Classifier": (4.7e-4, 6.0e-6)},
+}
 _STEP = 1.0e-3                      # AdamW on the whole model
 _HOST_FIXED, _HOST_PER_SAMPLE = 1.0e-3, 1.0e-6
 
 
 def default_block_cost(kind: str, block: str, micro_batch_size: int) -> float:
     """Seconds one micro-batch's ``kind`` pass of ``block`` takes in the default table."""
+    vit = _VIT[kind].get(block) or (_VIT[kind]["Encoder"] if re.fullmatch(r"Encoder\d+", block)
+                                    else None)
+    if vit is not None:
+        return vit[0] + vit[1] * micro_batch_size
     per_sample = _PER_SAMPLE[kind].get(block, _PER_SAMPLE_OTHER)
     return _FIXED[kind] + per_sample * micro_batch_size
 
@@ -345,7 +413,7 @@ def modeled_timeline(config: Config, costs: CostTable, parameters: int = 0) -> T
                     forward_cost=c["forward"], backward_cost=c["backward"],
                     step_cost=[step] * n, host_overhead=host,
                     iterations=config.device_iterations, replicas=config.replicas,
-                    stage_ipus=list(range(n)), samples=config.combined_batch)
+                    stage_ipus=list(config.stage_ipus), samples=config.combined_batch)
 
 
 def clip_for_drawing(timeline: Timeline, max_events: int = MAX_DRAWN_EVENTS) -> Tuple[Timeline, str]:
@@ -483,7 +551,11 @@ def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Mod
         from ..optim import AdamW
 
         optimizer_factory = lambda params: AdamW(params, lr=config.learning_rate)  # noqa: E731
-    model = trainingModel(wrap(network), opts, optimizer_factory(network.parameters()))
+    try:
+        module = prepare_network(config, network, wrap)
+    except Error as exc:
+        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
+    model = trainingModel(module, opts, optimizer_factory(network.parameters()))
     try:
         model.compile(*sample_batch(template, config.combined_batch))
         report = memory_report(model)

@@ -19,7 +19,7 @@ import torch
 
 from ..data import DataLoader
 from ..model import inferenceModel, trainingModel
-from .logic import Config, call_metrics, inference_options, training_options
+from .logic import Config, call_metrics, inference_options, prepare_network, training_options
 
 
 def first_batch(loader: DataLoader) -> List[torch.Tensor]:
@@ -79,7 +79,8 @@ class TrainingSession:
         uses process-wide state, so two compilations must not overlap.
         """
         opts = training_options(config)
-        model = trainingModel(self.wrap(self.network), opts, self._optimizer_for(config))
+        model = trainingModel(prepare_network(config, self.network, self.wrap), opts,
+                              self._optimizer_for(config))
         loader = DataLoader(opts, self.train_dataset, batch_size=config.micro_batch_size,
                             shuffle=True)
         if len(loader) == 0:

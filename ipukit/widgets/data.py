@@ -1,0 +1,55 @@
+"""The explorer's data: MNIST (or the caller's datasets), loaded on first use."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+MNIST_SAMPLES = 60000
+
+
+class ExplorerData:
+    """Training and test sets, read lazily; the shape of one sample for compiling without data.
+
+    Without datasets, real MNIST (:func:`ipukit.datasets.mnist_tensors`, from
+    ``IPUKIT_DATA``), the first ``train_limit``/``test_limit`` samples. The test
+    set is loaded only when ``evaluate`` is set.
+    """
+
+    def __init__(self, train_dataset=None, test_dataset=None, train_limit: Optional[int] = None,
+                 test_limit: Optional[int] = None, sample_shape=None, evaluate: bool = True):
+        self._train, self._test = train_dataset, test_dataset
+        self.train_limit, self.test_limit = train_limit, test_limit
+        self.sample_shape = tuple(sample_shape) if sample_shape is not None else None
+        self.evaluate = evaluate
+
+    @property
+    def train_dataset(self):
+        if self._train is None:
+            from ..datasets import mnist_tensors
+
+            self._train = mnist_tensors(train=True, limit=self.train_limit)
+        return self._train
+
+    @property
+    def test_dataset(self):
+        if self._test is None and self.evaluate:
+            from ..datasets import mnist_tensors
+
+            self._test = mnist_tensors(train=False, limit=self.test_limit)
+        return self._test
+
+    @property
+    def samples_per_epoch(self) -> int:
+        if self._train is not None:
+            return len(self._train)
+        return self.train_limit or MNIST_SAMPLES
+
+    def template(self) -> List[torch.Tensor]:
+        """One sample's input and label, as zeros."""
+        if self.sample_shape is not None:
+            return [torch.zeros(self.sample_shape), torch.zeros((), dtype=torch.long)]
+        if self._train is not None:
+            x, y = self._train[0]
+            return [torch.zeros_like(torch.as_tensor(x)), torch.zeros_like(torch.as_tensor(y))]
+        return [torch.zeros(1, 28, 28), torch.zeros((), dtype=torch.long)]

@@ -1,0 +1,118 @@
+"""The explorer's modeled side: the cost table, the modeled call, ipukit's verdict.
+
+:class:`Modeler` turns a :class:`~ipukit.widgets.logic.Config` into a
+:class:`~ipukit.widgets.logic.ModeledView` at once, from the cost table of the
+model (the default table, or the costs a run measured), and asks a
+:class:`~ipukit.widgets.prober.Prober` for ipukit's verdict (compiling in the
+background); both are drawn on the :class:`~ipukit.widgets.dashboard.Dashboard`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import logic
+from .dashboard import Dashboard
+from .data import ExplorerData
+from .logic import Config
+from .models import ExampleModel
+from .prober import Prober
+
+
+class Modeler:
+    """Models the current configuration and keeps ipukit's verdict on it.
+
+    ``on_verdict()`` is called when a verdict changes what the error box shows.
+    """
+
+    def __init__(self, models: Dict[str, ExampleModel], dashboard: Dashboard,
+                 data: ExplorerData, lock, config0: Config,
+                 on_verdict: Callable[[], None]) -> None:
+        self.models = models
+        self.dashboard = dashboard
+        self.data = data
+        self._lock = lock
+        self._on_verdict = on_verdict
+        self._networks: Dict[str, torch.nn.Module] = {}
+        self.costs = logic.default_costs(config0.blocks, config0.micro_batch_size)
+        self.config: Optional[Config] = None
+        self.view: Optional[logic.ModeledView] = None
+        self._verdict_error: Optional[str] = None     # ipukit's verdict on ``config``
+        self._rejection: Optional[str] = None         # a control value that makes no config
+        self.prober = Prober(self._compile, self._verdict, lock)
+
+    def show(self, config: Config) -> None:
+        """Model ``config`` now and draw it; the verdict follows when compiled."""
+        with self._lock:
+            self.config = config
+            self.view = logic.modeled_view(config, self.costs, self.data.samples_per_epoch,
+                                           parameters=self.parameters(config.model))
+            result = self.prober.request(config)
+            self._rejection = None
+            self._verdict_error = result.error if result is not None else None
+            self.dashboard.show_modeled(self.view, result)
+
+    def reject(self, message: str) -> None:
+        """A control value that makes no configuration: say why, keep the last view."""
+        self._rejection = message
+
+    @property
+    def error(self) -> Optional[str]:
+        """What the error box says about the controls (None: nothing known against them)."""
+        return self._rejection or self._verdict_error
+
+    def _verdict(self, config: Config, result: logic.ProbeResult) -> None:
+        with self._lock:
+            if config != self.config:
+                return
+            self._verdict_error = result.error
+            self.dashboard.show_modeled(self.view, result)
+        self._on_verdict()
+
+    def wait(self, timeout: Optional[float] = 120.0) -> Optional[logic.ProbeResult]:
+        """Block until the verdict on the current configuration is known; returns it."""
+        self.prober.wait(timeout)
+        return self.prober.cached(self.config) if self.config is not None else None
+
+    def _compile(self, config: Config) -> logic.ProbeResult:
+        return logic.probe(config, self.network(config.model), self.models[config.model].wrap,
+                           self.data.template())
+
+    def network(self, name: str) -> torch.nn.Module:
+        """The throw-away network the verdicts are compiled with (one per model)."""
+        if name not in self._networks:
+            self._networks[name] = self.models[name].factory()
+        return self._networks[name]
+
+    def parameters(self, name: str) -> int:
+        return sum(p.numel() for p in self.network(name).parameters())
+
+    # -- read-back (the explorer's attributes) ------------------------------------------
+    @property
+    def modeled_utilisation(self) -> Dict[int, float]:
+        """Modeled busy fraction of each virtual IPU for the current controls."""
+        return dict(self.view.utilisation)
+
+    @property
+    def modeled_overall(self) -> float:
+        return self.view.overall
+
+    @property
+    def bubble(self) -> float:
+        """The modeled pipeline fill and drain, a share of all IPU time."""
+        return self.view.bubble
+
+    @property
+    def host_calls_per_epoch(self) -> int:
+        return self.view.host_calls_per_epoch
+
+    # -- costs -------------------------------------------------------------------------
+    def measured(self, timeline, config: Config, call: int) -> None:
+        """Model from now on with the costs measured in ``timeline`` (call ``call``)."""
+        self.costs = logic.costs_from_run(timeline, config,
+                                          source=f"costs measured in call {call}")
+
+    def default_costs(self, config: Config) -> None:
+        """Back to the default cost table of ``config``'s model."""
+        self.costs = logic.default_costs(config.blocks, config.micro_batch_size)
