@@ -14,6 +14,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .errors import LossError
 from .gpu_clock import GpuClock
@@ -86,7 +87,11 @@ class ActionRunner(SplitBackwardActions):
             args.append(v)
         on_gpu = device.type == "cuda" and plan.record
         ready = self.clock.mark(device) if on_gpu else time.perf_counter()
-        out = plan.module_for(a.stage, replica)(*args)
+        module = plan.module_for(a.stage, replica)
+        if stage.recompute and plan.training:  # keep the inputs, rerun the forward in B/I
+            out = checkpoint(module, *args, use_reentrant=False)
+        else:
+            out = module(*args)
         outs = out if stage.tuple_output else (out,)
         if self.keep_rows is None or k in self.keep_rows:
             row = self.results[k]

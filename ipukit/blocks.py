@@ -33,6 +33,7 @@ class Segment:
     ipu: int
     blocks: List[str] = field(default_factory=list)
     stage_ids: List[int] = field(default_factory=list)
+    recompute: bool = False  # a module in it asked for recomputation
 
 
 class BlockRecorder:
@@ -87,6 +88,17 @@ class BlockRecorder:
 
 def _active() -> Optional[BlockRecorder]:
     return _recorder.get()
+
+
+def note_recompute() -> None:
+    """While tracing: the stage being recorded recomputes its forward in its backward.
+
+    A traced stage is one graph, so the recomputation a module asks for (see
+    :func:`ipukit.recomputation_checkpoint`) applies to the whole stage holding it.
+    """
+    recorder = _recorder.get()
+    if recorder is not None and recorder.segments:
+        recorder.segments[-1].recompute = True
 
 
 def set_recorder(recorder: Optional[BlockRecorder]) -> Optional[BlockRecorder]:

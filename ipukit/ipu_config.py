@@ -352,6 +352,9 @@ class _Recompute:
         self.module = module
 
     def __call__(self, *args, **kwargs):
+        from .blocks import note_recompute
+
+        note_recompute()  # while ipukit traces: its stage recomputes (see partition)
         forward = type(self.module).forward
         if torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(forward, self.module, *args,
@@ -377,10 +380,11 @@ def recomputation_checkpoint(module: torch.nn.Module) -> RecomputationHandle:
     (``poptorch.recomputationCheckpoint``). Here the module's forward runs under
     ``torch.utils.checkpoint`` (non-reentrant) whenever gradients are recorded:
     the activations inside the module are freed after the forward pass and
-    recomputed during the backward pass. This happens where the module runs
-    eagerly: plain PyTorch and single-stage ipukit models. A model traced into
-    several stages records the forward once, so there it has no effect (see
-    the README). Returns a handle whose ``remove()`` undoes it.
+    recomputed during the backward pass. This happens per module where it runs
+    eagerly (plain PyTorch, single-stage ipukit models); in a model traced into
+    several stages, the whole stage holding the module recomputes (a traced
+    stage is one graph; see the README). Returns a handle whose ``remove()``
+    undoes it.
     """
     if not isinstance(module, torch.nn.Module):
         raise IPUConfigError(f"recomputation_checkpoint({module!r}): expected a torch.nn.Module.")

@@ -58,6 +58,7 @@ class StageModule:
     args: List[Ref]
     tuple_output: bool
     parameters: List[torch.nn.Parameter] = field(default_factory=list)
+    recompute: bool = False  # keep only the inputs; rerun the forward in the backward
 
 
 @dataclass
@@ -406,7 +407,8 @@ def _from_split_graph(pipe, recorder, flat_model, out_leaves, loss) -> Partition
             seg = recorder.segments[k]
             stages.append(StageModule(index=k, ipu=seg.ipu, blocks=list(seg.blocks),
                                       module=module, args=args, tuple_output=False,
-                                      parameters=list(module.parameters())))
+                                      parameters=list(module.parameters()),
+                                      recompute=seg.recompute))
             stage_nodes[node] = k
             value_of[node] = Ref("stage", k, None)
         elif node.op == "call_function" and node.target is operator.getitem:

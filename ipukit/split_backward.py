@@ -114,6 +114,10 @@ class SplitBackwardActions:
         """The input-gradient half (``I``): what the previous stage waits for, sent at once."""
         key = (a.stage, a.iteration, a.micro_batch)
         args, outs = stash.pop(key)
+        stage = self.plan.partition.stages[a.stage]
+        if stage.recompute:  # rebuild the stage's graph once, here: I and W share it
+            out = self.plan.module_for(a.stage, replica)(*args)
+            outs = out if stage.tuple_output else (out,)
         seeds, grads = self._seeds(a, replica, outs)
         now = self._clock(a.stage)
         ready = now()

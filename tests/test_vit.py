@@ -105,6 +105,37 @@ def test_vit_with_wildcards_and_the_hub_vit_config_matches_plain_pytorch(tmp_pat
     assert torch.allclose(losses, ref_losses, atol=1e-5)
 
 
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
+def test_recompute_every_layer_really_recomputes_each_traced_stage(schedule):
+    """vit-base's file asks for recomputation: each traced stage keeps only its inputs and
+    runs its forward again in its backward (a pre-hook sees two passes per micro-batch),
+    with the weights of the run that keeps every activation."""
+    weights, passes = {}, {}
+    for recompute in (False, True):
+        config = ipukit.IPUConfig(ipus_per_replica=2, layers_per_ipu=[2, 2],
+                                  gradient_accumulation_steps=4,
+                                  recompute_checkpoint_every_layer=recompute)
+        torch.manual_seed(0)
+        model = ViT(num_layers=4, dim=16, heads=2, mlp_dim=32).parallelize(config)
+        opts = config.to_options().pipelineSchedule(schedule)
+        training = ipukit.trainingModel(model, opts, optimizer=torch.optim.SGD(
+            model.parameters(), lr=0.05))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+        training(x, y)
+        stages = training.program.partition.stages
+        assert [s.recompute for s in stages] == [recompute] * 2
+        calls = []
+        for stage in stages:
+            stage.module.register_forward_pre_hook(lambda *_: calls.append(1))
+        training(x, y)
+        passes[recompute] = len(calls)
+        weights[recompute] = [p.detach().clone() for p in model.parameters()]
+        training.destroy()
+    assert passes == {False: 2 * 4, True: 2 * 2 * 4}
+    assert max((a - b).abs().max().item() for a, b in zip(weights[False], weights[True])) < 1e-6
+
+
 # -- the training script ----------------------------------------------------------------------------
 def test_script_with_a_hub_file(data_root, capsys):
     code = mnist_pipeline.main([
