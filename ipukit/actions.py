@@ -11,12 +11,11 @@ as work.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .errors import LossError
 from .gpu_clock import GpuClock
 from .fused import FusedBackward
 from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
@@ -106,19 +105,6 @@ class ActionRunner(SplitBackwardActions):
             self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
         return ready, end
 
-    def loss_seed(self, outs) -> Optional[torch.Tensor]:
-        plan = self.plan
-        loss = outs[plan.loss_item]
-        if not loss.requires_grad:
-            return None
-        if loss.dim() > 0 and not plan.partition.loss_marked:
-            raise LossError(
-                f"The loss (the model's output used as loss, shape {list(loss.shape)}) is not "
-                "a scalar, so there is no single number to minimise. Reduce it (e.g. "
-                "loss.mean()), or mark the loss with ipukit.identity_loss(loss, reduction="
-                "'mean'|'sum'|'none'); a training model must return its loss (PopTorch's rule: "
-                "'return output, loss').")
-        return loss
 
     def _seeds(self, a: Action, replica: int, outs) -> Tuple[list, list]:
         """The stage's outputs that later stages sent gradients for (and the loss), with them."""
@@ -136,7 +122,7 @@ class ActionRunner(SplitBackwardActions):
         seeds = [outs[i] for i in incoming]
         grads = [incoming[i] for i in incoming]
         if s == plan.loss_stage:
-            loss = self.loss_seed(outs)
+            loss = self.plan.loss_of(outs)
             if loss is not None:
                 seeds.append(loss)
                 # loss scaling (PopTorch's optimiser argument): scaled here, unscaled at the step

@@ -47,7 +47,7 @@ class FusedBackward:
         n = plan.partition.num_stages
         outs = {s: stash.pop((s,) + key)[1] for s in range(n)}
         start = time.perf_counter()
-        loss = runner.loss_seed(outs[plan.loss_stage])
+        loss = plan.loss_of(outs[plan.loss_stage])
         params = self.params
         seed = None if loss is None else [torch.full_like(loss, runner.loss_scaling)]
         if loss is not None and params and self.grads_in_params:

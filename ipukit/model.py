@@ -54,6 +54,43 @@ def _cast_doubles(flat: List[Any]) -> List[Any]:
             for v in flat]
 
 
+def _checked_arguments(model: torch.nn.Module, options: Optional[Options], training: bool,
+                       optimizer: Optional[torch.optim.Optimizer]):
+    """PopTorch's checks of a wrapper's arguments; the model's frozen options (Default
+    output mode resolved) and its optimiser (SGD(lr=0.01) when a training model has none)."""
+    if options is None:
+        options = Options()
+    if not isinstance(options, Options):
+        raise OptionsError(f"Invalid type: 'options' is of type {type(options).__name__} "
+                           "(expected ipukit.Options).")
+    options._freeze()
+    opts = options.clone()
+    if opts.defaultOutputMode():  # PopTorch's Default, resolved where every mode is
+        opts.outputMode(microbatch.resolve_output_mode(OutputMode.Default, training))
+    if not training:
+        if opts.Training.gradient_accumulation != 1:
+            msg = ("You must set ipukit.Options().Training.gradientAccumulation to 1 or leave "
+                   "it as its default value (1) when running an ipukit.inferenceModel() "
+                   f"(got {opts.Training.gradient_accumulation}).")
+            if not opts.is_sharded:
+                msg += (" Use ipukit.Options().deviceIterations() to process a sufficient "
+                        "number of batches each run for pipelined execution instead.")
+            raise PipelineConfigError(msg)
+        if optimizer is not None:
+            raise OptionsError("An inference model takes no optimizer.")
+    elif not any(p.requires_grad for p in model.parameters()):
+        raise ModelStateError(
+            f"trainingModel({type(model).__name__}): the model has no trainable "
+            "parameters, so there is nothing to train. Use ipukit.inferenceModel to run it, "
+            "or give it parameters (requires_grad=True).")
+    elif optimizer is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        _check_optimizer(optimizer, model)
+    opts._freeze()
+    return opts, optimizer
+
+
 class PoplarExecutor(PopTorchMethods):
     """A model wrapped for ipukit: call it like the module it wraps.
 
@@ -63,36 +100,7 @@ class PoplarExecutor(PopTorchMethods):
 
     def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
                  optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        if options is None:
-            options = Options()
-        if not isinstance(options, Options):
-            raise OptionsError(f"Invalid type: 'options' is of type {type(options).__name__} "
-                               "(expected ipukit.Options).")
-        options._freeze()
-        opts = options.clone()
-        if opts.defaultOutputMode():  # PopTorch's Default, resolved where every mode is
-            opts.outputMode(microbatch.resolve_output_mode(OutputMode.Default, training))
-        if not training:
-            if opts.Training.gradient_accumulation != 1:
-                msg = ("You must set ipukit.Options().Training.gradientAccumulation to 1 or leave "
-                       "it as its default value (1) when running an ipukit.inferenceModel() "
-                       f"(got {opts.Training.gradient_accumulation}).")
-                if not opts.is_sharded:
-                    msg += (" Use ipukit.Options().deviceIterations() to process a sufficient "
-                            "number of batches each run for pipelined execution instead.")
-                raise PipelineConfigError(msg)
-            if optimizer is not None:
-                raise OptionsError("An inference model takes no optimizer.")
-        elif not any(p.requires_grad for p in model.parameters()):
-            raise ModelStateError(
-                f"trainingModel({type(model).__name__}): the model has no trainable "
-                "parameters, so there is nothing to train. Use ipukit.inferenceModel to run it, "
-                "or give it parameters (requires_grad=True).")
-        elif optimizer is None:
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        else:
-            _check_optimizer(optimizer, model)
-        opts._freeze()
+        opts, optimizer = _checked_arguments(model, options, training, optimizer)
         d = self.__dict__
         d["_user_model"] = model
         d["_options"] = opts

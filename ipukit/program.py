@@ -18,6 +18,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 import torch
 
 from .enums import OutputMode, ReductionType
+from .errors import LossError
 from .microbatch import Batching
 from .partition import Partition
 from .schedule import Schedule
@@ -117,6 +118,20 @@ class Program:
                         own.copy_(theirs)
                 for theirs, own in zip(original.modules(), mine.modules()):
                     own.training = theirs.training
+
+    def loss_of(self, outs) -> Optional[torch.Tensor]:
+        """The loss the loss stage's backward starts from (None when it needs no gradient)."""
+        loss = outs[self.loss_item]
+        if not loss.requires_grad:
+            return None
+        if loss.dim() > 0 and not self.partition.loss_marked:
+            raise LossError(
+                f"The loss (the model's output used as loss, shape {list(loss.shape)}) is not "
+                "a scalar, so there is no single number to minimise. Reduce it (e.g. "
+                "loss.mean()), or mark the loss with ipukit.identity_loss(loss, reduction="
+                "'mean'|'sum'|'none'); a training model must return its loss (PopTorch's rule: "
+                "'return output, loss').")
+        return loss
 
     # -- what later calls must match -------------------------------------------------
     def same_inputs(self, flat: List[Any], spec) -> bool:
