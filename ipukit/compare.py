@@ -40,10 +40,11 @@ class ScheduleSummary:
     modeled: bool = True
 
 
-def layout(kind: str, num_ipus: int) -> List[int]:
-    """The stage → IPU placement the comparison gives ``kind`` on ``num_ipus`` IPUs."""
+def layout(kind: str, num_ipus: int, virtual_stages: int = VIRTUAL_STAGES) -> List[int]:
+    """The stage → IPU placement the comparison gives ``kind`` on ``num_ipus`` IPUs
+    (``virtual_stages`` per IPU for the looped kinds; a V holds two)."""
     if kind in LOOPED:
-        return placement(kind, VIRTUAL_STAGES * num_ipus, num_ipus)
+        return placement(kind, virtual_stages * num_ipus, num_ipus)
     if kind in V_SHAPED:
         return placement(kind, 2 * num_ipus)
     return list(range(num_ipus))
@@ -84,10 +85,11 @@ def bubble(timeline: Timeline, num_ipus: int) -> float:
 
 def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost = 1.0,
               backward_cost: Cost = 2.0, weight_share: float = 0.5,
-              transfer_cost: float = 0.0) -> ScheduleSummary:
+              transfer_cost: float = 0.0, virtual_stages: int = VIRTUAL_STAGES
+              ) -> ScheduleSummary:
     """Model one step of ``kind`` on ``num_ipus`` IPUs (see the module docstring)."""
     P, M = int(num_ipus), int(micro_batches)
-    ipus = layout(kind, P)
+    ipus = layout(kind, P, virtual_stages)
     N = len(ipus)
     summary = ScheduleSummary(kind, PIPELINED_KINDS[kind], N)
     needed = 1 if kind in ("gpipe", "1f1b") else minimum_micro_batches(kind, N, P)
@@ -113,9 +115,10 @@ def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost =
 
 def compare_schedules(num_ipus: int, micro_batches: int, forward_cost: Cost = 1.0,
                       backward_cost: Cost = 2.0, weight_share: float = 0.5,
-                      kinds: Optional[Sequence[str]] = None,
-                      transfer_cost: float = 0.0) -> Dict[str, ScheduleSummary]:
-    """Every pipelined schedule (or ``kinds``) modeled on the same IPUs and model."""
+                      kinds: Optional[Sequence[str]] = None, transfer_cost: float = 0.0,
+                      virtual_stages: int = VIRTUAL_STAGES) -> Dict[str, ScheduleSummary]:
+    """Every pipelined schedule (or ``kinds``) modeled on the same IPUs and model
+    (``virtual_stages``: stages per IPU of interleaved 1F1B and looped BFS)."""
     kinds = list(PIPELINED_KINDS) if kinds is None else list(kinds)
     return {k: summarize(k, num_ipus, micro_batches, forward_cost, backward_cost,
-                         weight_share, transfer_cost) for k in kinds}
+                         weight_share, transfer_cost, virtual_stages) for k in kinds}

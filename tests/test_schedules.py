@@ -145,6 +145,17 @@ def test_modeled_bubbles_follow_their_closed_forms(P, M_per_ipu):
     assert result["zb-h1"].step_time - ideal == pytest.approx((result["1f1b"].step_time - ideal) / 3)
 
 
+@pytest.mark.parametrize("v", (2, 3, 4))
+@pytest.mark.parametrize("P", (2, 4))
+def test_interleaved_bubble_shrinks_with_the_number_of_virtual_stages(P, v):
+    """Interleaved 1F1B with v stages per IPU: fill and drain (P−1)·(F+B)/v (Megatron's)."""
+    M = 2 * P
+    r = compare_schedules(P, M, kinds=["interleaved-1f1b", "1f1b"], virtual_stages=v)
+    assert r["interleaved-1f1b"].num_stages == v * P
+    assert r["interleaved-1f1b"].step_time - 3 * M == pytest.approx(3 * (P - 1) / v)
+    assert r["1f1b"].step_time - 3 * M == pytest.approx(3 * (P - 1))
+
+
 def test_zbv_bubble_share_vanishes_as_micro_batches_grow():
     shares = [compare_schedules(4, M, kinds=["zbv"])["zbv"].bubble for M in (8, 32, 128)]
     assert shares[0] > shares[1] > shares[2] and shares[2] < 0.01
