@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import ModelStateError
-from .schedule import BACKWARD, FORWARD, KINDS, Schedule
+from .schedule import BACKWARD, FORWARD, KINDS, WEIGHT_GRAD, Schedule
 
 
 # -- micro-batches in flight ---------------------------------------------------------------
@@ -44,14 +44,19 @@ def activation_stash(kind: str, num_stages: int, micro_batches: int) -> List[int
         return [M] * N
     if kind == "1f1b":
         return [min(N - s, M) for s in range(N)]
-    return [1] * N   # sharded
+    if kind.startswith("sharded"):
+        return [1] * N
+    from .schedule import build  # the modern kinds: read off the schedule on its placement
+
+    return stash_of(build(kind, N, M))
 
 
 def stash_of(schedule: Schedule) -> List[int]:
     """Peak micro-batches held per stage, read off a schedule's action order.
 
-    Counts forwards whose backward has not run yet, stage by stage; for the
-    built-in kinds this equals :func:`activation_stash`.
+    Counts forwards whose backward (or, split, whose weight-gradient half) has
+    not run yet, stage by stage; for GPipe and 1F1B this equals
+    :func:`activation_stash`.
     """
     held = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages
@@ -62,7 +67,7 @@ def stash_of(schedule: Schedule) -> List[int]:
             if a.kind == FORWARD:
                 held[a.stage] += 1
                 peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind == BACKWARD:
+            elif a.kind in (BACKWARD, WEIGHT_GRAD):
                 held[a.stage] -= 1
     return peak
 

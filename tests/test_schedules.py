@@ -334,3 +334,15 @@ def test_schedule_benchmark_measures_and_models_each_schedule():
     for kind in ("zbv", "zb-h1"):
         r = measure(kind, 2, tiny)
         assert r["step_ms"] > 0 and 0 < r["model_over_measured"]
+
+
+def test_memory_report_counts_activations_until_the_weight_gradient():
+    """ZB-H1 holds a micro-batch's activations until its W: P on every stage (1F1B: N − s)."""
+    from ipukit.memory import activation_stash, memory_report
+
+    assert activation_stash("zb-h1", 4, 8) == [4, 4, 4, 4]
+    assert activation_stash("1f1b", 4, 8) == [4, 3, 2, 1]
+    _, _, tm = _train("ZBH1", [0, 1, 2, 3], 4, 1, 1, calls=1)
+    report = memory_report(tm)
+    assert [st["micro_batches_in_flight"] for st in report.stages] == [4, 4, 4, 4]
+    tm.destroy()
