@@ -3,7 +3,8 @@
 Every process runs the distributed model and, locally, the same model on
 threads (``Options.Distributed.disable()``); each writes what it found to
 ``$IPUKIT_TEST_OUT/rank<r>.json`` for the test to assert on.
-Scenarios: ``pp2`` (2 processes; ends with rank 1 raising), ``dp2pp2`` (4 processes).
+Scenarios: ``pp2`` (2 processes, also the modern schedules against threads and the plain
+PyTorch loop; ends with rank 1 raising), ``dp2pp2`` (4 processes).
 """
 import copy
 import json
@@ -24,20 +25,21 @@ WORLD = int(os.environ["WORLD_SIZE"])
 class SkipNet(torch.nn.Module):
     """Stage 0 output used by stage 1 and (a skip) by the last stage; labels in the last block."""
 
-    def __init__(self, stages=2, batchnorm=False):
+    def __init__(self, stages=2, batchnorm=False, ipus=None):
         super().__init__()
         self.stages = stages
+        self.ipus = list(ipus) if ipus else default_placement(stages)
         self.inp = torch.nn.Linear(6, 8)
         self.bn = torch.nn.BatchNorm1d(8) if batchnorm else torch.nn.Identity()
         self.mid = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(stages - 1))
         self.head = torch.nn.Linear(8, 3)
 
     def forward(self, x, labels):
-        with poptorch.Block("b0", ipu_id=0):
+        with poptorch.Block("b0", ipu_id=self.ipus[0]):
             h0 = torch.tanh(self.bn(self.inp(x)))
         h = h0
         for i, layer in enumerate(self.mid):
-            with poptorch.Block(f"b{i + 1}", ipu_id=(i + 1) % 2 if self.stages > 2 else i + 1):
+            with poptorch.Block(f"b{i + 1}", ipu_id=self.ipus[i + 1]):
                 h = torch.tanh(layer(h))
                 if i == len(self.mid) - 1:
                     out = self.head(h + h0)
@@ -45,14 +47,21 @@ class SkipNet(torch.nn.Module):
         return out, loss
 
 
-def options(mode, distributed=True, di=2, ga=4, replicas=1, schedule="1F1B", stages=2):
+def default_placement(stages):
+    """Two stages: one per virtual IPU; more: in a loop over two (stage s on IPU s mod 2)."""
+    return [i % 2 for i in range(stages)] if stages > 2 else list(range(stages))
+
+
+def options(mode, distributed=True, di=2, ga=4, replicas=1, schedule="1F1B", stages=2,
+            placement=None):
     o = poptorch.Options().deviceIterations(di).replicationFactor(replicas)
     o.Training.gradientAccumulation(ga)
     o.outputMode(mode)
     o.pipelineSchedule(schedule)
-    if stages > 2:
+    if stages > 2 or placement:
         o.setExecutionStrategy(poptorch.PipelinedExecution(
-            *[poptorch.Stage(f"b{i}").ipu(i % 2) for i in range(stages)]))
+            *[poptorch.Stage(f"b{i}").ipu(p)
+              for i, p in enumerate(placement or default_placement(stages))]))
     if not distributed:
         o.Distributed.disable()
     return o
@@ -77,27 +86,39 @@ def maxdiff(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, calls=2, ga=4):
-    """(distributed results, threaded results) for the same model, data and options."""
+def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, calls=2, ga=4,
+               placement=None, plain=False):
+    """(distributed results, threaded results) for the same model, data and options; with
+    ``plain``, also the plain PyTorch loop's weights (one replica)."""
     torch.manual_seed(1)
-    net = SkipNet(stages, batchnorm)
+    net = SkipNet(stages, batchnorm, placement)
     ref = copy.deepcopy(net)
+    loop = copy.deepcopy(net) if plain else None
+    init = copy.deepcopy(net) if plain else None
     micro = 2
     batches = data(calls, replicas, ga=ga)
     replica = RANK // (WORLD // replicas)
+    kw = dict(replicas=replicas, schedule=schedule, stages=stages, ga=ga, placement=placement)
     # ipukit's own trainingModel: under a launch it runs as processes (the same call as on threads)
     dist_model = poptorch.trainingModel(
-        net, options(mode, True, replicas=replicas, schedule=schedule, stages=stages, ga=ga),
+        net, options(mode, True, **kw),
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     thr_model = poptorch.trainingModel(
-        ref, options(mode, False, replicas=replicas, schedule=schedule, stages=stages, ga=ga),
+        ref, options(mode, False, **kw),
         optimizer=torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
     d_out, t_out = [], []
     for x, y in batches:
         d_out.append(dist_model(share(x, replica, replicas, micro), share(y, replica, replicas, micro)))
         t_out.append(thr_model(x, y))
     after = {}
-    if mode == poptorch.OutputMode.All and stages == 2:
+    if plain:
+        from helpers import reference_training
+
+        opt = torch.optim.SGD(loop.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            reference_training(loop, opt, x, y, device_iterations=2, gradient_accumulation=ga,
+                               replicas=1)
+    if mode == poptorch.OutputMode.All and stages == 2 and placement is None:
         # an inference model of the trained module: each process's stages hold the trained
         # weights (nothing else was synchronised yet)
         x, y = batches[0]
@@ -126,9 +147,26 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         result.setdefault("shapes", []).append([list(do.shape), list(dl.shape),
                                                 list(to.shape), list(tl.shape)])
     result["outputs"], result["losses"] = max(outs), max(losses)
+    if plain:
+        result["plain"] = max(maxdiff(p, q) for p, q in zip(net.parameters(), loop.parameters()))
+        result["trained"] = max(maxdiff(p, q) for p, q in
+                                zip(net.parameters(), init.parameters()))
     result["runner"] = type(dist_model.__dict__["_ipukit_distributed"].runner).__name__
     tl = dist_model.getTimeline()
+    schedule_ = dist_model.program.schedule
+    result["kinds"] = sorted({e.kind for e in tl.events})
+    result["stage_ipus"] = list(schedule_.stage_ipus)
     if RANK == 0:
+        # the measured order on each virtual IPU is its lane of ipukit's schedule, iteration by
+        # iteration (every process's spans, gathered on process 0)
+        letter = {"forward": "F", "backward": "B", "input-grad": "I", "weight-grad": "W"}
+        result["order"] = all(
+            [str(a) for a in lane if a.kind != "S" and a.iteration == it]
+            == [f"{e.stage}{letter[e.kind]}{e.micro_batch}"
+                for e in sorted(tl.events, key=lambda e: e.start)
+                if (e.replica, e.ipu, e.iteration) == (r, ipu, it) and e.kind in letter]
+            for ipu, lane in zip(schedule_.lane_ipus, schedule_.lanes)
+            for it in range(schedule_.iterations) for r in range(replicas))
         tracks = {}
         for e in tl.events:
             if e.ipu >= 0 and e.kind in ("forward", "backward"):
@@ -198,6 +236,14 @@ def mismatch():
         m.destroy()
 
 
+#: the modern schedules on 2 processes: (Options.pipelineSchedule, virtual IPU of b0, b1, ...)
+MODERN = {"interleaved-1f1b": ("Interleaved1F1B", [0, 1, 0, 1]),
+          "looped-bfs": ("LoopedBFS", [0, 1, 0, 1]),
+          "zb-h1": ("ZBH1", [0, 1]),
+          "zbv": ("ZBV", [0, 1, 1, 0]),
+          "dualpipev": ("DualPipeV", [0, 1, 1, 0])}
+
+
 class FailingSGD(torch.optim.SGD):
     def step(self, closure=None):
         self.count = getattr(self, "count", 0) + 1
@@ -218,6 +264,9 @@ def main():
         results["sum"] = train_pair(Sum)
         results["gpipe"] = train_pair(All, schedule="GPipe")
         results["four_stages"] = train_pair(All, stages=4, ga=8)
+        for name, (schedule, placement) in MODERN.items():
+            results[name] = train_pair(All, schedule=schedule, stages=len(placement),
+                                       placement=placement, plain=True)
         results["inference"] = inference_pair()
         results["wrong_count"] = expect_error(wrong_count)
         results["mismatch"] = expect_error(mismatch)
@@ -226,6 +275,10 @@ def main():
         results["all"] = train_pair(All, replicas=2, batchnorm=True)
         results["final"] = train_pair(Final, replicas=2)
         results["sum"] = train_pair(Sum, replicas=2)
+        for name in ("interleaved-1f1b", "zbv"):  # two stages per process
+            schedule, placement = MODERN[name]
+            results[name] = train_pair(All, replicas=2, schedule=schedule,
+                                       stages=len(placement), placement=placement)
         results["inference"] = inference_pair(replicas=2)
     results["seconds"] = time.perf_counter() - t0
     with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:

@@ -16,10 +16,12 @@ runs here instead of on threads:
   torch's runtime only sends to the next stage;
 * ipukit's schedule (:meth:`~ipukit.schedule.Schedule.to_torch`) is run by
   torch's ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
-* with replicas, each stage runs under DDP in the ``dp`` group: torch's
-  pipeline stage keeps DDP from syncing until a step's last backward, then
-  DDP all-reduces (averages) the gradients; PopTorch's Mean/Sum rule scales
-  them, and every process steps the user's optimiser on its own stages' weights;
+* with replicas, each process sums its stages' gradients over the ``dp`` group
+  after an iteration's last backward (one all-reduce of one flat buffer);
+  PopTorch's Mean/Sum rule scales them, and every process steps the user's
+  optimiser on its own stages' weights. (torch's DDP is not used: its reducer
+  fails when a process holds two stages of the pipeline, and it never sees the
+  weight gradients of a split backward, which ``autograd.grad`` computes);
 * replicas start each call from replica 0's buffers (a broadcast in the dp group).
 
 :func:`maybe_run` is the one entry point the model wrapper needs; everything
@@ -256,7 +258,6 @@ class _Runtime:
         self.params = [p for s in lay.mine for p in part.stages[s].parameters if p.requires_grad]
         _check_untied(part)
         self.buffers = [b for s in lay.mine for b in part.stages[s].module.buffers()]
-        self.ddp = False  # set when a stage runs under DDP (replicas)
         self.M = c.schedule.micro_batches
         steps = self.M * c.schedule.iterations
         self.recorder = _Recorder(c, lay)
@@ -269,7 +270,7 @@ class _Runtime:
         for s in lay.mine:
             body = StageBody(c, self.ctx, s, carry[s], carry[s + 1] if s + 1 < n else [],
                              self.device)
-            stage = stage_cls(self._replicated(body), s, n, self.device, group=lay.pp_group)
+            stage = stage_cls(body, s, n, self.device, group=lay.pp_group)
             stage._ipukit_ctx = self.ctx
             self.stages.append(stage)
         self.loss_scaling = float((getattr(c.optimizer, "ipu_arguments", None) or {})
@@ -283,20 +284,6 @@ class _Runtime:
         self.runner = schedule_runner(c.schedule, c.training, self.stages, lay.stage_rank,
                                       lay.lanes, loss_fn)
         self._target = torch.zeros(1, device=self.device)  # torch wants a target; the loss is the model's
-
-    def _replicated(self, body: torch.nn.Module) -> torch.nn.Module:
-        """With replicas, the stage under DDP in the dp group (torch's pipeline stages drive it:
-        no gradient sync until a step's last backward, then one all-reduce)."""
-        lay = self.layout
-        if lay.dp == 1 or not self.compiled.training \
-                or not any(p.requires_grad for p in body.parameters()):
-            return body
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.ddp = True
-        return DistributedDataParallel(
-            body, process_group=lay.dp_group, broadcast_buffers=False, init_sync=False,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     @property
     def timeline(self) -> Optional[Timeline]:
@@ -329,6 +316,8 @@ class _Runtime:
                         p.grad = None
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      target_mbs=[self._target] * M, return_outputs=False)
+                    if lay.dp > 1:
+                        self._sum_over_replicas()
                     self._step()
                 else:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
@@ -350,23 +339,30 @@ class _Runtime:
         rec.call_index += 1
         return result
 
-    def _step(self) -> None:
-        """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights.
+    def _sum_over_replicas(self) -> None:
+        """Each gradient of this process's stages, summed over the replicas (the dp group)."""
+        import torch.distributed as dist
 
-        Under DDP the gradients arrive averaged over the replicas (DDP's mean).
-        """
-        c, dp = self.compiled, self.layout.dp
-        t_start = time.perf_counter()
         grads = [p.grad for p in self.params if p.grad is not None]
-        replicas = dp if self.ddp else 1  # DDP has divided by this already
-        if c.reduction == ReductionType.Mean:
-            scale = 1.0 / (self.M * (dp // replicas))
-        else:
-            scale = float(replicas)
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.layout.dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _step(self) -> None:
+        """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights."""
+        c = self.compiled
+        t_start = time.perf_counter()
+        scale = 1.0 / (self.M * self.layout.dp) if c.reduction == ReductionType.Mean else 1.0
         scale /= self.loss_scaling
         if scale != 1.0:
-            for g in grads:
-                g.mul_(scale)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         t_opt = time.perf_counter()
         c.optimizer.step()
         t_end = time.perf_counter()

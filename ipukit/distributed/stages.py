@@ -87,8 +87,11 @@ class StageBody(torch.nn.Module):
         sent = []
         for key in self._carried_out:
             v = mine[key] if key in mine else values[key]
-            if key not in mine and isinstance(v, torch.Tensor):
-                v = v.view_as(v)  # carried through: a new autograd node, gradients flow back
+            if isinstance(v, torch.Tensor) and (key not in mine or v._is_view()):
+                # a tensor of its own: one carried through gets a new autograd node (gradients
+                # flow back through it), and torch's split backward (I) detaches the outputs
+                # in place, which it cannot do to a view
+                v = v.clone()
             sent.append(v)
         return tuple(sent)
 
@@ -186,6 +189,47 @@ def _torch_schedule(kind: str, training: bool, stages: list, num_stages: int, la
     return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
 
 
+#: torch's classes of ipukit's modern schedules (several stages per process); ipukit's action
+#: lists equal theirs for the sizes torch supports (tests/test_schedules.py), and each is
+#: checked again before it runs.
+_TORCH_MULTI = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "looped-bfs": "ScheduleLoopedBFS",
+                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+
+
+def _compute_actions(order) -> List[str]:
+    """torch's per-rank list as compute actions only: empty slots dropped, an OVERLAP_F_B pair
+    as its forward then its backward (as torch's runtime runs it)."""
+    out = []
+    for a in order:
+        if a is None:
+            continue
+        kind = a.computation_type.value
+        if kind == "OVERLAP_F_B":
+            out += [str(sub) for sub in a.sub_actions]
+        elif kind in ("F", "B", "I", "W"):
+            out.append(str(a))
+    return out
+
+
+def _torch_multi_schedule(kind: str, training: bool, stages: list, lanes, micro_batches: int,
+                          loss_fn):
+    """torch's own class of a modern schedule when its per-rank actions are exactly ipukit's
+    lanes, else None (ipukit's actions then run on torch's runtime)."""
+    from torch.distributed.pipelining import schedules
+
+    name = _TORCH_MULTI.get(kind)
+    if name is None or not training:
+        return None
+    try:
+        runner = getattr(schedules, name)(stages, micro_batches, loss_fn=loss_fn,
+                                          scale_grads=False)
+    except Exception:  # noqa: BLE001 - torch refuses this size or placement
+        return None
+    theirs = {rank: _compute_actions(order) for rank, order in runner.pipeline_order.items()}
+    ours = {rank: [str(a) for a in lane] for rank, lane in enumerate(lanes)}
+    return runner if theirs == ours else None
+
+
 def _runtime_class():
     """torch's schedule runtime, told the stage → rank mapping instead of inferring it.
 
@@ -212,15 +256,18 @@ def schedule_runner(schedule, training: bool, stages: list, stage_rank: Dict[int
                     lanes: List[list], loss_fn):
     """What runs one iteration of ``schedule`` on this process's ``stages``.
 
-    torch's ``Schedule1F1B``/``ScheduleGPipe`` where they run exactly ipukit's
-    order, otherwise torch's ``_PipelineScheduleRuntime`` fed ipukit's actions
-    (``lanes``: one list per pp rank, in torch's ``_Action`` notation), with
-    the stage → rank mapping ``stage_rank``.
+    torch's own class where it runs exactly ipukit's order (``Schedule1F1B``/
+    ``ScheduleGPipe`` with one stage per process; ``ScheduleInterleaved1F1B``,
+    ``ScheduleLoopedBFS``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` with
+    several), otherwise torch's ``_PipelineScheduleRuntime`` fed ipukit's actions
+    (``lanes``: one list per pp rank, in torch's ``_Action`` notation: F, B, and
+    a split backward's I and W), with the stage → rank mapping ``stage_rank``.
     """
     from torch.distributed.pipelining.schedules import _Action
 
     M = schedule.micro_batches
-    runner = _torch_schedule(schedule.kind, training, stages, len(stage_rank), lanes, M, loss_fn)
+    runner = (_torch_schedule(schedule.kind, training, stages, len(stage_rank), lanes, M, loss_fn)
+              or _torch_multi_schedule(schedule.kind, training, stages, lanes, M, loss_fn))
     if runner is not None:
         return runner
     runner = _runtime_class()(stages, M, loss_fn=loss_fn if training else None, scale_grads=False)
