@@ -16,7 +16,7 @@ import torch
 
 import ipukit as poptorch
 import ipukit.distributed as ipd
-from ipukit.distributed.runtime import DistributedError
+from ipukit.distributed.runtime import DistributedError, _runtime_of
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -87,9 +87,10 @@ def maxdiff(a, b):
 
 
 def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, calls=2, ga=4,
-               placement=None, plain=False):
+               placement=None, plain=False, wrapper=False):
     """(distributed results, threaded results) for the same model, data and options; with
-    ``plain``, also the plain PyTorch loop's weights (one replica)."""
+    ``plain``, also the plain PyTorch loop's weights (one replica); with ``wrapper``, the
+    model is ``ipukit.distributed.trainingModel``'s and ``ipd.synchronize_weights`` syncs it."""
     torch.manual_seed(1)
     net = SkipNet(stages, batchnorm, placement)
     ref = copy.deepcopy(net)
@@ -100,7 +101,7 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
     replica = RANK // (WORLD // replicas)
     kw = dict(replicas=replicas, schedule=schedule, stages=stages, ga=ga, placement=placement)
     # ipukit's own trainingModel: under a launch it runs as processes (the same call as on threads)
-    dist_model = poptorch.trainingModel(
+    dist_model = (ipd.trainingModel if wrapper else poptorch.trainingModel)(
         net, options(mode, True, **kw),
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     thr_model = poptorch.trainingModel(
@@ -129,7 +130,10 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         t_inf = poptorch.inferenceModel(ref, _plain(replicas))(x, y)
         after["inference_after_training"] = maxdiff(d_inf[0], share(t_inf[0], replica, replicas,
                                                                       mb))
-    dist_model.copyWeightsToHost()  # PopTorch's name: every stage's weights on every process
+    if wrapper:
+        ipd.synchronize_weights(dist_model)
+    else:
+        dist_model.copyWeightsToHost()  # PopTorch's name: every stage's weights on every process
     result = {**after, "weights": max(maxdiff(p, q) for p, q in zip(net.parameters(), ref.parameters())),
               "buffers": max([maxdiff(p, q) for p, q in zip(net.buffers(), ref.buffers())
                               if p.is_floating_point()] or [0.0])}
@@ -151,7 +155,7 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         result["plain"] = max(maxdiff(p, q) for p, q in zip(net.parameters(), loop.parameters()))
         result["trained"] = max(maxdiff(p, q) for p, q in
                                 zip(net.parameters(), init.parameters()))
-    result["runner"] = type(dist_model.__dict__["_ipukit_distributed"].runner).__name__
+    result["runner"] = type(_runtime_of(dist_model).runner).__name__
     tl = dist_model.getTimeline()
     schedule_ = dist_model.program.schedule
     result["kinds"] = sorted({e.kind for e in tl.events})
@@ -260,7 +264,7 @@ def main():
     All, Final, Sum = poptorch.OutputMode.All, poptorch.OutputMode.Final, poptorch.OutputMode.Sum
     if scenario == "pp2":
         results["all"] = train_pair(All)
-        results["final"] = train_pair(Final)
+        results["final"] = train_pair(Final, wrapper=True)
         results["sum"] = train_pair(Sum)
         results["gpipe"] = train_pair(All, schedule="GPipe")
         results["four_stages"] = train_pair(All, stages=4, ga=8)

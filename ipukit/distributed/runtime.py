@@ -485,10 +485,16 @@ def maybe_run(model, args: tuple, kwargs: dict):
         raise
 
 
+def _runtime_of(model) -> Optional[_Runtime]:
+    """The runtime of ``model`` (a PoplarExecutor, or ipukit.distributed's wrapper of one)."""
+    model = model.__dict__.get("_executor", model)
+    return model.__dict__.get("_ipukit_distributed")
+
+
 def last_timeline(model) -> Optional[Timeline]:
     """The measured timeline of ``model``'s last call on processes (None before one, or when
     timelines are not recorded): every process's spans on process 0, its own elsewhere."""
-    rt = model.__dict__.get("_ipukit_distributed")
+    rt = _runtime_of(model)
     return None if rt is None else rt.timeline
 
 
@@ -498,7 +504,7 @@ def synchronize_weights(model) -> None:
     During a run each process updates only its own stages; call this (on every
     process) before saving or evaluating the whole model on one process.
     """
-    rt = model.__dict__.get("_ipukit_distributed")
+    rt = _runtime_of(model)
     if rt is not None:
         _broadcast_stages(rt.compiled.partition, rt.device)
 
