@@ -18,7 +18,8 @@ def test_the_notebooks_exist():
     names = _ids(NOTEBOOKS)
     for expected in ("01_pipelining_walkthrough.ipynb", "02_pipeline_explorer.ipynb",
                      "04_running_poptorch_code.ipynb",
-                     "03_scripts_and_profiles.ipynb", "05_lightning_on_ipukit.ipynb"):
+                     "03_scripts_and_profiles.ipynb", "05_lightning_on_ipukit.ipynb",
+                     "06_scaling_out.ipynb"):
         assert expected in names
 
 
