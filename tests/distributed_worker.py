@@ -155,7 +155,12 @@ def train_pair(mode, replicas=1, schedule="1F1B", stages=2, batchnorm=False, cal
         result["plain"] = max(maxdiff(p, q) for p, q in zip(net.parameters(), loop.parameters()))
         result["trained"] = max(maxdiff(p, q) for p, q in
                                 zip(net.parameters(), init.parameters()))
-    result["runner"] = type(_runtime_of(dist_model).runner).__name__
+    rt = _runtime_of(dist_model)
+    result["runner"] = type(rt.runner).__name__
+    # how the replicas combine gradients, and whether this process's stages run under DDP
+    result["sync"] = rt.replica_sync
+    result["under_ddp"] = [isinstance(st.submod, torch.nn.parallel.DistributedDataParallel)
+                           for st in rt.stages]
     tl = dist_model.getTimeline()
     schedule_ = dist_model.program.schedule
     result["kinds"] = sorted({e.kind for e in tl.events})
@@ -279,7 +284,9 @@ def main():
         results["all"] = train_pair(All, replicas=2, batchnorm=True)
         results["final"] = train_pair(Final, replicas=2)
         results["sum"] = train_pair(Sum, replicas=2)
-        for name in ("interleaved-1f1b", "zbv"):  # two stages per process
+        results["gpipe"] = train_pair(All, replicas=2, schedule="GPipe")
+        # two stages per process (interleaved-1f1b, zbv), a split backward (zbv, zb-h1)
+        for name in ("interleaved-1f1b", "zbv", "zb-h1"):
             schedule, placement = MODERN[name]
             results[name] = train_pair(All, replicas=2, schedule=schedule,
                                        stages=len(placement), placement=placement)

@@ -115,16 +115,41 @@ def test_modern_schedules_on_two_processes_match_threads_and_the_plain_loop(pp2,
                                           [0, 1, 0, 1])
 
 
-@pytest.mark.parametrize("case", ["all", "final", "sum", "interleaved-1f1b", "zbv"])
+#: dp2×pp2 cases: torch's DDP where every backward is a full one (1F1B, GPipe: one stage per
+#: process; interleaved 1F1B: two), one all-reduce where a backward is split (ZBV, ZB-H1)
+DDP_CASES = ["all", "final", "sum", "gpipe", "interleaved-1f1b"]
+ALL_REDUCE_CASES = ["zbv", "zb-h1"]
+
+
+@pytest.mark.parametrize("case", DDP_CASES + ALL_REDUCE_CASES)
 def test_two_replicas_of_two_stages_match_threads(dp2pp2, case):
-    # each process sums its gradients over the replicas (one all-reduce), as the threaded step
-    # sums them: exactly the same weights, BatchNorm buffers included
+    # exactly the same weights as threads, BatchNorm buffers included, either way: the all-reduce
+    # sums the gradients as the threaded step does; DDP averages them over 2 replicas (halving is
+    # exact in binary) and the Mean/Sum rule undoes that. (Without replicas.without_sync, as in
+    # the DDP runtime before 87ce7b7, 1F1B was 6e-8 off: torch's shape inference ran through DDP
+    # with sync on, so DDP also all-reduced the first step's first backward; GPipe failed.)
     for rank in range(4):
         r = dp2pp2[rank][case]
         assert r["weights"] == 0.0 and r["buffers"] == 0.0, (rank, r)
         assert r.get("inference_after_training", 0.0) == 0.0, (rank, r)
         assert r["losses"] == 0.0 and r["outputs"] == 0.0, (rank, r)
     assert dp2pp2[0][case]["order"]
+
+
+def test_replicas_use_ddp_unless_a_backward_is_split(pp2, dp2pp2):
+    """Full backwards: each of a process's stages under torch's DDP (one per process for 1F1B
+    and GPipe, two for interleaved 1F1B); a split backward (ZBV, ZB-H1): no DDP, one
+    all-reduce (ipukit.distributed.replicas.gradient_sync); one replica: neither."""
+    for rank in range(4):
+        for case in DDP_CASES + ALL_REDUCE_CASES:
+            r = dp2pp2[rank][case]
+            stages = 2 if case in ("interleaved-1f1b", "zbv") else 1
+            want = (("ddp", [True] * stages) if case in DDP_CASES
+                    else ("all-reduce", [False] * stages))
+            assert (r["sync"], r["under_ddp"]) == want, (rank, case, r["sync"], r["under_ddp"])
+    for rank in (0, 1):
+        for case in CASES + MODERN:
+            assert pp2[rank][case]["sync"] is None and not any(pp2[rank][case]["under_ddp"])
 
 
 def test_inference_matches_threads(pp2, dp2pp2):

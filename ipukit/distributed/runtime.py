@@ -16,12 +16,15 @@ runs here instead of on threads:
   torch's runtime only sends to the next stage;
 * ipukit's schedule (:meth:`~ipukit.schedule.Schedule.to_torch`) is run by
   torch's ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
-* with replicas, each process sums its stages' gradients over the ``dp`` group
-  after an iteration's last backward (one all-reduce of one flat buffer);
-  PopTorch's Mean/Sum rule scales them, and every process steps the user's
-  optimiser on its own stages' weights. (torch's DDP is not used: its reducer
-  fails when a process holds two stages of the pipeline, and it never sees the
-  weight gradients of a split backward, which ``autograd.grad`` computes);
+* with replicas, each stage runs under torch's DDP in the ``dp`` group wherever
+  every backward is a full one (GPipe, 1F1B, interleaved 1F1B, looped BFS): torch's
+  pipeline stage keeps DDP from syncing until a stage's last backward of a step,
+  then DDP averages its gradients. Where a backward is split (ZB-H1, ZBV,
+  DualPipeV), DDP never sees ``W``'s gradients, so each process sums its stages'
+  gradients over the ``dp`` group after an iteration's last backward (one
+  all-reduce of one flat buffer); the rule and its evidence:
+  :func:`~ipukit.distributed.replicas.gradient_sync`. PopTorch's Mean/Sum rule
+  scales them, and every process steps the user's optimiser on its own stages' weights;
 * replicas start each call from replica 0's buffers (a broadcast in the dp group).
 
 :func:`maybe_run` is the one entry point the model wrapper needs; everything
@@ -41,6 +44,8 @@ from ..enums import ReductionType
 from ..timeline import Event, KIND_NAMES, Timeline
 from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure,
                     ensure_process_group, is_active)
+from .replicas import ALL_REDUCE, DDP, gradient_scale, gradient_sync, sum_over_replicas, \
+    under_ddp
 from .stages import CallContext, StageBody, carry_plan, process_lanes, schedule_runner, \
     timed_stage_class
 
@@ -258,6 +263,8 @@ class _Runtime:
         self.params = [p for s in lay.mine for p in part.stages[s].parameters if p.requires_grad]
         _check_untied(part)
         self.buffers = [b for s in lay.mine for b in part.stages[s].module.buffers()]
+        #: how the replicas combine gradients: DDP, ALL_REDUCE, or None (one replica)
+        self.replica_sync = gradient_sync(c.schedule, lay.dp, c.training)
         self.M = c.schedule.micro_batches
         steps = self.M * c.schedule.iterations
         self.recorder = _Recorder(c, lay)
@@ -270,6 +277,8 @@ class _Runtime:
         for s in lay.mine:
             body = StageBody(c, self.ctx, s, carry[s], carry[s + 1] if s + 1 < n else [],
                              self.device)
+            if self.replica_sync == DDP:
+                body = under_ddp(body, lay.dp_group, self.device)
             stage = stage_cls(body, s, n, self.device, group=lay.pp_group)
             stage._ipukit_ctx = self.ctx
             self.stages.append(stage)
@@ -316,8 +325,8 @@ class _Runtime:
                         p.grad = None
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      target_mbs=[self._target] * M, return_outputs=False)
-                    if lay.dp > 1:
-                        self._sum_over_replicas()
+                    if self.replica_sync == ALL_REDUCE:
+                        sum_over_replicas(self.params, lay.dp_group)
                     self._step()
                 else:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
@@ -339,25 +348,11 @@ class _Runtime:
         rec.call_index += 1
         return result
 
-    def _sum_over_replicas(self) -> None:
-        """Each gradient of this process's stages, summed over the replicas (the dp group)."""
-        import torch.distributed as dist
-
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.layout.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def _step(self) -> None:
         """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights."""
         c = self.compiled
         t_start = time.perf_counter()
-        scale = 1.0 / (self.M * self.layout.dp) if c.reduction == ReductionType.Mean else 1.0
+        scale = gradient_scale(c.reduction, self.M, self.layout.dp, self.replica_sync == DDP)
         scale /= self.loss_scaling
         if scale != 1.0:
             for p in self.params:

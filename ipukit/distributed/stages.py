@@ -113,10 +113,20 @@ def carry_plan(partition) -> List[List[Tuple[int, int]]]:
 
 def timed_stage_class():
     """torch's ``PipelineStage``, telling its body the micro-batch and recording measured spans:
-    a forward (F), a full backward (B), or a split one's input (I) and weight (W) gradients."""
+    a forward (F), a full backward (B), or a split one's input (I) and weight (W) gradients.
+    A stage under DDP runs torch's shape inference in ``no_sync`` (see
+    :func:`~ipukit.distributed.replicas.without_sync`)."""
     from torch.distributed.pipelining import PipelineStage
 
+    from .replicas import without_sync
+
     class TimedStage(PipelineStage):
+        def _prepare_forward_infra(self, *args, **kwargs):
+            # torch infers the stage's shapes at the first step by running its module once,
+            # outside the schedule's no_sync: under DDP, without sync too (replicas.without_sync)
+            with without_sync(self.submod):
+                return super()._prepare_forward_infra(*args, **kwargs)
+
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
             ctx = self._ipukit_ctx
             ctx.micro_batch = fwd_chunk_id
