@@ -31,7 +31,7 @@ import heapq
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 #: The pipelined training schedules (see :mod:`ipukit.schedules`), by ipukit kind, with the
@@ -282,7 +282,16 @@ def build(kind: str, num_stages: int, micro_batches: int, iterations: int = 1,
     ``kind`` is one of :data:`KINDS` (or a name :func:`kind_of` reads); the
     modern kinds come from :mod:`ipukit.schedules`, which checks the placement
     they need. Every built schedule with a generated order is validated.
+    Schedules are never changed once built, so the last few are kept: a
+    dashboard models the same schedule with new costs at every slider move.
     """
+    ipus = tuple(int(i) for i in stage_ipus) if stage_ipus is not None else None
+    return _build(kind, num_stages, micro_batches, iterations, ipus)
+
+
+@lru_cache(maxsize=32)
+def _build(kind: str, num_stages: int, micro_batches: int, iterations: int,
+           stage_ipus: Optional[Tuple[int, ...]]) -> Schedule:
     name = kind
     kind = kind_of(kind) or str(kind).lower()
     if kind not in KINDS:
