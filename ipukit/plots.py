@@ -14,19 +14,23 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .timeline import Timeline
+from .timeline import COMPUTE_KINDS, Timeline
 
 # PopVision's convention: forward passes green, backward passes red.
 COLOURS = {
     "forward": "#3a9a4b",
     "backward": "#d9463e",
+    # a backward split in two (zero-bubble schedules): the input gradient, then the weights'
+    "input-grad": "#f08a24",
+    "weight-grad": "#7b4fa8",
     "step": "#8a8a8a",
     "host": "#7b93b0",
     "transfer": "#b8c4d3",
 }
-KIND_ORDER = ("forward", "backward", "step", "transfer", "host")
+KIND_ORDER = ("forward", "backward", "input-grad", "weight-grad", "step", "transfer", "host")
 LABELS = {"forward": "forward", "backward": "backward", "step": "optimiser step (host)",
           "transfer": "host ↔ device transfer", "host": "host"}
+LABELS.update({"input-grad": "input gradient (I)", "weight-grad": "weight gradient (W)"})
 #: The parts of :meth:`Timeline.idle_breakdown`, in drawing order, with their colours.
 BREAKDOWN_PARTS = (
     ("busy", "busy (forward, backward)", "#3a9a4b"),
@@ -117,7 +121,10 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
 
 def schedule_name(kind) -> str:
     """Schedule names as the options spell them: ``1F1B``, ``GPipe``."""
-    return {"1f1b": "1F1B", "gpipe": "GPipe", "sharded": "Sharded"}.get(str(kind).lower(), str(kind))
+    from .schedule import PIPELINED_KINDS
+
+    names = {**PIPELINED_KINDS, "sharded": "Sharded"}
+    return names.get(str(kind).lower(), str(kind))
 
 
 def _describe(timeline: Timeline) -> str:
@@ -366,7 +373,7 @@ def _idle_spans(timeline: Timeline) -> List[Tuple[str, float, float]]:
     t0, t1 = timeline.start, timeline.end
     busy: Dict[str, List[Tuple[float, float]]] = {}
     for e in timeline.device_events():
-        if e.kind in ("forward", "backward"):
+        if e.kind in COMPUTE_KINDS:
             busy.setdefault(_track_name(e.ipu, e.replica), []).append((e.start, e.end))
     spans = []
     for row, intervals in busy.items():
@@ -378,6 +385,18 @@ def _idle_spans(timeline: Timeline) -> List[Tuple[str, float, float]]:
         if t1 > t + 1e-12:
             spans.append((row, t, t1))
     return spans
+
+
+def _unit_costs(forward_cost: float, backward_cost: float, kinds: Sequence[str]) -> str:
+    """The grid's subtitle: what a pass costs (a split backward's I and W halves too)."""
+    from .schedules import SPLIT_BACKWARD
+
+    if forward_cost == backward_cost == 1.0 and not set(kinds) & set(SPLIT_BACKWARD):
+        return "each pass takes one unit"
+    text = f"a forward takes {forward_cost:g} unit, a backward {backward_cost:g}"
+    if set(kinds) & set(SPLIT_BACKWARD):
+        text += f" (split: I and W {backward_cost / 2:g} each)"
+    return text
 
 
 def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
@@ -398,9 +417,10 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
     titles = []
     for k, tl in zip(kinds, timelines):
         b = tl.idle_breakdown()
-        formula = "(N−1)/N" if k.startswith("sharded") else "(N−1)/(M+N−1)"
+        formula = ("(N−1)/N" if k.startswith("sharded") else
+                   "(N−1)/(M+N−1)" if k in ("gpipe", "1f1b") else "")
         titles.append(f"{schedule_name(k)}: {tl.wall_time:g} units, idle "
-                      f"{100 * b['shares']['bubble']:.0f}% = {formula}")
+                      f"{100 * b['shares']['bubble']:.0f}%" + (f" = {formula}" if formula else ""))
     fig = make_subplots(rows=1, cols=len(kinds), subplot_titles=titles, horizontal_spacing=0.12)
     for col, (k, tl) in enumerate(zip(kinds, timelines), start=1):
         peak = tl.peak_in_flight()
@@ -428,10 +448,61 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
         fig.update_xaxes(title_text="time (units of one pass)", dtick=2, row=1, col=col)
     fig.update_layout(
         title=dict(text=f"Idealised schedules: {num_stages} stages, {micro_batches} micro-batches"
-                        f"<br><sup>each pass takes one unit; shaded cells are idle; "
+                        f"<br><sup>{_unit_costs(forward_cost, backward_cost, kinds)}; "
+                        f"shaded cells are idle; "
                         f"'holds k': activations of k micro-batches stashed at most</sup>"),
         barmode="overlay", bargap=0.2, font=_FONT, template="plotly_white",
         height=max(260, 120 + 44 * num_stages), margin=dict(l=10, r=10, t=90, b=40),
         uniformtext=dict(minsize=8, mode="hide"),
         legend=dict(orientation="h", yanchor="top", y=-0.25))
     return fig
+
+
+# -- schedules side by side ------------------------------------------------------------------
+
+#: The comparison's panels: (row key, title, scale, format of a bar's label).
+SCHEDULE_PANELS = (
+    ("time_per_step", "time per optimiser step (ms)", 1e3, "{:.1f}"),
+    ("bubble", "bubble: fill and drain (% of IPU time)", 100.0, "{:.0f}%"),
+    ("peak_activations", "peak activations on one IPU (stage × micro-batch)", 1.0, "{:g}"),
+)
+SELECTED_COLOUR, OTHER_COLOUR = "#2f6db5", "#a9c4e4"
+
+
+def schedule_comparison_figure(rows: Sequence[Mapping[str, Any]], selected: Optional[str] = None,
+                               title: Optional[str] = None) -> go.Figure:
+    """Every schedule side by side: time per optimiser step, bubble and peak activations.
+
+    ``rows`` are dicts with ``schedule``, ``ipus``, ``available``, ``reason``,
+    ``time_per_step`` (s), ``bubble`` (share) and ``peak_activations`` (units of
+    one stage's activations of one micro-batch), e.g. from
+    :func:`ipukit.widgets.comparison.schedule_rows`. A schedule that cannot run
+    has no bar (its hover text says why); ``selected`` is drawn darker. Three
+    bar traces, one per panel, named by the panel titles.
+    """
+    names = [f"{r['schedule']}<br>{r['ipus']} IPUs" if r.get("available", True)
+             else f"{r['schedule']}<br>—" for r in rows]
+    fig = make_subplots(rows=1, cols=len(SCHEDULE_PANELS), horizontal_spacing=0.07,
+                        subplot_titles=[p[1] for p in SCHEDULE_PANELS])
+    colours = [SELECTED_COLOUR if r["schedule"] == selected else OTHER_COLOUR for r in rows]
+    for col, (key, label, scale, fmt) in enumerate(SCHEDULE_PANELS, start=1):
+        values = [None if not r.get("available", True) or r.get(key) is None
+                  else scale * r[key] for r in rows]
+        notes = [r.get("reason") or "" for r in rows]
+        fig.add_trace(go.Bar(
+            x=names, y=values, name=label, marker_color=colours, showlegend=False,
+            text=["" if v is None else fmt.format(v) for v in values], textposition="outside",
+            customdata=notes, cliponaxis=False,
+            hovertemplate="%{x}: %{y:.3g}<br>%{customdata}<extra>" + label + "</extra>"),
+            row=1, col=col)
+        top = max([v for v in values if v is not None], default=1.0)
+        fig.update_yaxes(range=[0, 1.18 * top if top > 0 else 1.0], row=1, col=col)
+        fig.update_xaxes(type="category", tickfont=dict(size=10), row=1, col=col)
+    fig.update_layout(
+        title=dict(text=title or "Every schedule on these stages — modeled"),
+        font=_FONT, template="plotly_white", height=340, margin=dict(l=10, r=10, t=80, b=60),
+        showlegend=False)
+    for annotation in fig.layout.annotations:        # the panel titles, a little smaller
+        annotation.font = dict(size=12)
+    return fig
+

@@ -204,3 +204,43 @@ def test_large_timelines_stay_cheap():
     start = time.perf_counter()
     plots.timeline_figure(tl)
     assert time.perf_counter() - start < 2.0      # ~0.05 s on an idle 2-core machine
+
+
+def test_split_backward_passes_have_their_own_colours_and_legend_entries():
+    tl = ipukit.simulate("zbv", 4, 4, forward_cost=1.0, backward_cost=2.0)
+    traces = by_name(plots.timeline_figure(tl))
+    i, w = plots.LABELS["input-grad"], plots.LABELS["weight-grad"]
+    assert {"forward", i, w} <= set(traces) and "backward" not in traces
+    colours = {traces[n].marker.color for n in ("forward", i, w)}
+    assert len(colours | {plots.COLOURS["backward"], plots.COLOURS["step"]}) == 5
+    assert len(traces[i].x) == len(traces[w].x) == 4 * 4
+    assert sorted(set(traces[i].y)) == ["IPU 0", "IPU 1"]          # a V: 4 stages, 2 IPUs
+    names = [t.name for t in plots.timeline_figure(tl).data]
+    assert names.index("forward") < names.index(i) < names.index(w)    # F, I, W in order
+    assert plots.schedule_name("zbv") == "ZBV" and plots.schedule_name("zb-h1") == "ZBH1"
+
+
+def test_the_grid_of_a_zero_bubble_schedule_shades_only_idle_cells():
+    fig = plots.schedule_grid_figure(4, 8, kinds=("1f1b", "zb-h1"), backward_cost=2.0)
+    idle = [t for t in fig.data if t.name == "idle (bubble)"]
+    shaded = [sum(t.x) for t in idle]
+    assert shaded[1] < shaded[0]               # ZB-H1 fills 1F1B's bubble with W passes
+
+
+def test_schedule_comparison_has_three_panels_of_bars_and_marks_the_selection():
+    rows = [dict(schedule="1F1B", ipus=4, available=True, reason="", time_per_step=0.04,
+                 bubble=0.25, peak_activations=4.0),
+            dict(schedule="ZBV", ipus=2, available=True, reason="", time_per_step=0.05,
+                 bubble=0.1, peak_activations=4.0),
+            dict(schedule="DualPipeV", ipus=0, available=False, reason="needs an even number",
+                 time_per_step=None, bubble=None, peak_activations=None)]
+    fig = plots.schedule_comparison_figure(rows, selected="ZBV")
+    assert [t.type for t in fig.data] == ["bar"] * 3
+    time_, bubble, memory = fig.data
+    assert list(time_.y)[:2] == pytest.approx([40.0, 50.0]) and list(time_.y)[2] is None
+    assert list(bubble.y)[:2] == pytest.approx([25.0, 10.0])
+    assert list(memory.y)[:2] == [4.0, 4.0]
+    assert list(time_.x) == ["1F1B<br>4 IPUs", "ZBV<br>2 IPUs", "DualPipeV<br>—"]
+    assert time_.marker.color[1] == plots.SELECTED_COLOUR != time_.marker.color[0]
+    assert "needs an even number" in time_.customdata[2]
+    go.FigureWidget(fig)                                 # works as a widget

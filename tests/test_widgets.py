@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ipukit
+from ipukit import plots
 from ipukit.examples.mnist import BLOCKS, Network, TrainingModelWithLoss
 from ipukit.widgets import logic
 from ipukit.widgets.logic import Config, CostTable
@@ -482,13 +483,7 @@ def test_a_training_set_smaller_than_a_call_is_reported(explorer):
 # -- the ViT, placed by layers_per_ipu -----------------------------------------------------
 
 def vit_config(layers=(2, 2, 2, 2), **values):
-    from ipukit.widgets.models import example_models, layered_split
-
-    model = example_models()["ViT"]
-    block_ipus, stage_ipus = layered_split(model, layers)
-    ipus = () if stage_ipus == tuple(range(len(stage_ipus))) else stage_ipus
-    return Config(model="ViT", blocks=model.blocks, layers_per_ipu=layers, ipus=ipus,
-                  split=logic.split_label(model.blocks, block_ipus), **values)
+    return logic.example_config("ViT", layers_per_ipu=layers, **values)
 
 
 def test_layers_per_ipu_text_parses_and_rejects_clearly():
@@ -613,3 +608,161 @@ def test_no_class_of_the_widgets_is_over_about_200_lines():
             if isinstance(node, ast.ClassDef):
                 lines = node.end_lineno - node.lineno + 1
                 assert lines <= 215, f"{path.name}: class {node.name} has {lines} lines"
+
+
+def test_the_parts_attributes_reach_the_explorer_unambiguously(explorer):
+    """explorer.<name> is looked up in its parts: a name two parts share must be the explorer's
+    own (explorer.wait is the run's, not the verdict's)."""
+    parts = ("controls", "dashboard", "modeler", "runner", "data")
+    owners = {}
+    for part in parts:
+        for name in dir(getattr(explorer, part)):
+            if not name.startswith("_"):
+                owners.setdefault(name, []).append(part)
+    own = set(dir(type(explorer))) | set(vars(explorer))
+    shared = {n: p for n, p in owners.items() if len(p) > 1 and n not in own}
+    assert not shared, shared
+    assert explorer.wait == explorer.runner.wait and explorer.error is explorer.dashboard.error
+
+
+def test_redraw_shows_fresh_widgets_holding_the_figures_whole(explorer):
+    """redraw() puts a new FigureWidget in each figure's box, its first state the whole
+    figure (a browser can lose deltas sent before the widget's JavaScript loaded)."""
+    def data(figure):
+        return [{k: v for k, v in t.items() if k != "uid"} for t in figure.to_dict()["data"]]
+
+    old = dict(explorer.figures)
+    before = data(explorer.modeled_utilisation_figure)
+    explorer.redraw()
+    drawn = [n for n, w in old.items() if explorer.figures[n] is not w]
+    assert set(drawn) >= {"modeled timeline", "modeled utilisation", "memory", "training"}
+    assert all(old[n].comm is None for n in drawn)                   # the old ones are closed
+    assert explorer.modeled_utilisation_figure is explorer.figures["modeled utilisation"]
+    assert data(explorer.modeled_utilisation_figure) == before
+    fresh = explorer.modeled_utilisation_figure
+    assert fresh._widget_data and fresh._widget_layout["width"] == 500      # the first state
+    assert explorer.memory_figure.layout.width == 500 and explorer.memory_figure.layout.height == 360
+    boxes = [b.children[0] for b in explorer.dashboard._boxes.values()]
+    assert boxes == list(explorer.figures.values())
+
+
+# -- every schedule: the selector and the comparison ---------------------------------------
+
+def test_schedules_place_the_stages_as_ipukit_says():
+    from ipukit.schedules import placement
+
+    four = Config()
+    assert logic.placed(four.with_(schedule="ZBV")).stage_ipus == (0, 1, 1, 0)
+    assert logic.placed(four.with_(schedule="Interleaved1F1B")).stage_ipus == (0, 1, 0, 1)
+    assert logic.placed(four.with_(schedule="ZBH1")).stage_ipus == (0, 1, 2, 3)
+    assert logic.placed(four.with_(schedule="ZBV", sharded=True)).stage_ipus == (0, 1, 2, 3)
+    vit = vit_config((1,) * 8, schedule="DualPipeV")
+    assert vit.stage_ipus == tuple(placement("dualpipev", 8))
+    with pytest.raises(ValueError, match="even number of stages"):
+        logic.placed(four.with_(split="B1 | B2 | B3 B4", schedule="ZBV"))
+    strategy = logic.strategy_for(logic.placed(four.with_(schedule="ZBV")))
+    assert [(s.blocks, s._ipu) for s in strategy.stages] == [
+        (["B1"], 0), (["B2"], 1), (["B3"], 1), (["B4"], 0)]
+    opts = logic.training_options(vit)           # the ViT: an explicit V over its 8 stages
+    assert [s._ipu for s in opts.execution_strategy.stages] == list(placement("dualpipev", 8))
+    assert opts.pipeline_schedule == "DualPipeV"
+
+
+@pytest.mark.parametrize("costs", [equal_costs(), logic.default_costs()], ids=["equal", "default"])
+def test_the_comparison_is_ipukit_simulate_for_every_schedule(costs):
+    from ipukit.schedules import LOOPED, V_SHAPED, placement
+    from ipukit.widgets.comparison import schedule_rows
+
+    config = Config(device_iterations=1, gradient_accumulation=8)
+    rows = schedule_rows(config, costs, 60000)
+    assert [r.schedule for r in rows] == list(logic.SCHEDULES)
+    stage = costs.stage_costs(config)
+    for row in rows:
+        assert row.available, row.reason
+        ipus = placement(row.kind, 4) if row.kind in LOOPED + V_SHAPED else list(range(4))
+        tl = ipukit.simulate(row.kind, 4, 8, forward_cost=stage["forward"],
+                             backward_cost=stage["backward"], step_cost=[costs.step] * 4,
+                             host_overhead=costs.host_overhead + costs.host_per_sample * 320,
+                             stage_ipus=ipus, samples=320, weight_share=costs.weight_share)
+        assert row.time_per_step == pytest.approx(tl.time_per_step()), row.schedule
+        assert row.bubble == pytest.approx(tl.idle_breakdown()["shares"]["bubble"])
+        assert row.ipus == len(set(ipus))
+    by = {r.schedule: r for r in rows}
+    assert by["GPipe"].peak_activations == 8 and by["1F1B"].peak_activations == 4
+
+
+def test_zero_bubble_schedules_model_smaller_bubbles_with_equal_costs():
+    from ipukit.widgets.comparison import schedule_rows
+
+    by = {r.schedule: r for r in schedule_rows(Config(device_iterations=1, gradient_accumulation=16),
+                                              equal_costs(backward=2.0), 60000)}
+    assert by["ZBH1"].bubble < by["1F1B"].bubble and by["ZBH1"].time_per_step < by["1F1B"].time_per_step
+    assert by["ZBV"].bubble < by["1F1B"].bubble / 2
+    assert by["ZBH1"].peak_activations == by["1F1B"].peak_activations      # the same memory
+    assert by["GPipe"].peak_activations == 16
+
+
+def test_explorer_schedule_selector_and_comparison(explorer):
+    from ipukit.widgets.comparison import schedule_rows
+
+    explorer.set(schedule="ZBV")
+    assert explorer.config.stage_ipus == (0, 1, 1, 0) and explorer.last_error is None
+    kinds = {e.kind for e in explorer.modeled.timeline.events}
+    assert {"input-grad", "weight-grad"} <= kinds and "backward" not in kinds
+    names = {t.name for t in explorer.modeled_timeline_figure.data}
+    assert {plots.LABELS["input-grad"], plots.LABELS["weight-grad"]} <= names
+    assert sorted(explorer.modeled_utilisation) == [0, 1]
+    rows = schedule_rows(explorer.config, explorer.costs, explorer.samples_per_epoch,
+                         explorer.probe_result.parameters)
+    drawn = explorer.figures["schedules"].data
+    assert list(drawn[0].y) == pytest.approx([1e3 * r.time_per_step for r in rows])
+    assert list(drawn[1].y) == pytest.approx([100 * r.bubble for r in rows])
+    assert list(drawn[2].y) == pytest.approx([r.peak_activations for r in rows])
+    selected = list(logic.SCHEDULES).index("ZBV")
+    assert drawn[0].marker.color[selected] == plots.SELECTED_COLOUR
+    row = rows[selected]
+    assert row.time_per_step == pytest.approx(explorer.modeled.time_per_step)
+    # three stages cannot make a V: the controls' error, the comparison says which cannot run
+    explorer.split.value = "B1 | B2 | B3 B4"
+    assert "even number of stages" in explorer.last_error
+    explorer.schedule.value = "1F1B"
+    assert explorer.last_error is None
+    unavailable = [r.schedule for r in explorer.modeler.rows if not r.available]
+    assert unavailable == ["ZBV", "DualPipeV"]
+
+
+def test_explorer_runs_a_zero_bubble_schedule_and_draws_it_over_its_model(explorer):
+    explorer.set(schedule="ZBH1", device_iterations=1, gradient_accumulation=4)
+    records = explorer.run(calls=1)
+    assert len(records) == 1 and explorer.last_error is None, explorer.last_error
+    kinds = {e.kind for e in explorer.measured_timeline.events}
+    assert {"input-grad", "weight-grad"} <= kinds
+    figure = explorer.measured_timeline_figure
+    assert "measured, and modeled from the costs measured in it" in figure.layout.title.text
+    names = {t.name for t in figure.data}
+    assert {plots.LABELS["input-grad"], plots.LABELS["weight-grad"], "forward"} <= names
+    assert 0.0 < explorer.costs.weight_share < 1.0            # measured I/W split
+    explorer.set(schedule="Interleaved1F1B")
+    records = explorer.run(calls=1)
+    assert len(records) == 1 and explorer.last_error is None, explorer.last_error
+    assert sorted(explorer.measured_utilisation) == [0, 1]
+
+
+def test_a_session_made_while_not_evaluating_evaluates_later():
+    pytest.importorskip("ipywidgets")
+    from ipukit.widgets import PipelineExplorer
+
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(400, 1, 28, 28, generator=g),
+                                          torch.randint(0, 10, (400,), generator=g))
+    ex = PipelineExplorer(train_dataset=data, test_dataset=data, evaluate=False,
+                          config=Config(device_iterations=1, gradient_accumulation=8,
+                                        micro_batch_size=8))
+    try:
+        ex.run(calls=1)
+        assert ex.test_accuracy is None
+        ex.evaluate_after_run = True
+        ex.run(calls=1)
+        assert ex.test_accuracy is not None
+    finally:
+        ex.close()

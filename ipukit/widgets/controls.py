@@ -15,7 +15,7 @@ import ipywidgets as W
 
 from . import logic
 from .logic import Config
-from .models import ExampleModel, layered_split, parse_layers
+from .models import ExampleModel, parse_layers
 
 _STYLE = {"description_width": "150px"}
 
@@ -63,8 +63,8 @@ class Controls:
         self.execution = W.ToggleButtons(options=list(logic.EXECUTIONS),
                                          value="sharded" if config.sharded else "pipelined",
                                          description="execution", style=_STYLE)
-        self.schedule = W.ToggleButtons(options=list(logic.SCHEDULES), value=config.schedule,
-                                        description="schedule", style=_STYLE)
+        self.schedule = W.Dropdown(options=list(logic.SCHEDULES), value=config.schedule,
+                                   description="schedule", style=_STYLE, layout=_wide())
         self.output_mode = W.Dropdown(options=list(logic.OUTPUT_MODES), value=config.output_mode,
                                       description="output mode", style=_STYLE, layout=_wide())
         self.output_return_period = W.IntSlider(value=config.output_return_period, min=1,
@@ -98,7 +98,9 @@ class Controls:
 
         For a model placed by ``layers_per_ipu``, the split is where the model's
         ``parallelize`` put its blocks; a text that does not parse, or counts that
-        do not fit the model, raise :class:`ipukit.Error` with the reason.
+        do not fit the model, raise :class:`ipukit.Error` with the reason. The
+        stages go on the IPUs the schedule wants (:func:`~ipukit.widgets.logic.placed`:
+        a ``ValueError`` when they cannot, e.g. an odd number of stages for ZBV).
         """
         model = self.current_model
         values = dict(device_iterations=self.device_iterations.value,
@@ -110,12 +112,10 @@ class Controls:
                       offload_optimizer=self.offload.value, learning_rate=self.learning_rate,
                       blocks=model.blocks, model=model.name)
         if not model.layered:
-            return Config(split=self.split.value, **values)
-        layers = parse_layers(self.layers_per_ipu.value, model)
-        block_ipus, stage_ipus = layered_split(model, layers)
-        ipus = () if stage_ipus == tuple(range(len(stage_ipus))) else stage_ipus
-        return Config(split=logic.split_label(model.blocks, block_ipus), layers_per_ipu=layers,
-                      ipus=ipus, **values)
+            return logic.placed(Config(split=self.split.value, **values))
+        values.pop("blocks"), values.pop("model")
+        return logic.example_config(model.name, layers_per_ipu=parse_layers(
+            self.layers_per_ipu.value, model), **values)
 
     def set(self, **values) -> None:
         """Set several controls at once, without a change call per control."""

@@ -7,13 +7,14 @@ buttons are wired by the explorer.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import ipywidgets as W
 import plotly.graph_objects as go
 
 from .. import plots
 from . import logic
+from .comparison import ScheduleRow
 
 FULL_WIDTH, PART_WIDTH = 1000, 500
 
@@ -53,35 +54,27 @@ class Dashboard:
                                       style={"description_width": "150px"},
                                       layout=W.Layout(width="260px"))
         full, part = FULL_WIDTH, PART_WIDTH
-        self.modeled_timeline_figure = _figure(300, full)
-        self.modeled_utilisation_figure = _figure(320, part)
-        self.memory_figure = _figure(360, part)
-        self.measured_timeline_figure = _figure(300, full)
-        self.measured_utilisation_figure = _figure(320, part)
-        self.training_figure = _figure(320, part)
-        self.figures: Dict[str, go.FigureWidget] = {
-            "modeled timeline": self.modeled_timeline_figure,
-            "modeled utilisation": self.modeled_utilisation_figure,
-            "memory": self.memory_figure,
-            "measured timeline": self.measured_timeline_figure,
-            "measured utilisation": self.measured_utilisation_figure,
-            "training": self.training_figure}
+        sizes = {"schedules": (340, full),
+                 "modeled timeline": (300, full), "modeled utilisation": (320, part),
+                 "memory": (360, part), "measured timeline": (300, full),
+                 "measured utilisation": (320, part), "training": (320, part)}
+        #: every figure by name; the boxes hold them (redraw() puts fresh ones in)
+        self.figures: Dict[str, go.FigureWidget] = {n: _figure(*hw) for n, hw in sizes.items()}
+        self._boxes = {n: W.Box([self.figures[n]], layout=W.Layout(width=f"{w + 10}px"))
+                       for n, (_, w) in sizes.items()}
         self._measured: Dict[str, go.Figure] = {}
         self._modeled: Dict[str, go.Figure] = {}
-        half = W.Layout(width=f"{part + 10}px")
-        whole = W.Layout(width=f"{full + 10}px")
+        box = self._boxes
         self.modeled_box = W.VBox([
             W.HTML("<h3>Modeled — updates as you move a control (no training)</h3>"),
-            self.summary, W.Box([self.modeled_timeline_figure], layout=whole),
-            W.HBox([W.Box([self.modeled_utilisation_figure], layout=half),
-                    W.Box([self.memory_figure], layout=half)])])
+            self.summary, box["schedules"], box["modeled timeline"],
+            W.HBox([box["modeled utilisation"], box["memory"]])])
         self.measured_box = W.VBox([
             W.HTML("<h3>Measured — real training with ipukit</h3>"),
             W.HBox([self.run_button, self.stop_button, self.reset_button, self.calls]),
             self.status,
-            W.HBox([W.Box([self.measured_utilisation_figure], layout=half),
-                    W.Box([self.training_figure], layout=half)]),
-            W.Box([self.measured_timeline_figure], layout=whole)])
+            W.HBox([box["measured utilisation"], box["training"]]),
+            box["measured timeline"]])
         self.widget = W.VBox([controls, self.error, self.modeled_box, self.measured_box])
         self.clear_measured()
 
@@ -91,9 +84,10 @@ class Dashboard:
             into[name] = figure
             update_figure(self.figures[name], figure)
 
-    def show_modeled(self, view: logic.ModeledView, probe: Optional[logic.ProbeResult]) -> None:
-        """Draw a modeled view; ``probe`` (ipukit's verdict) adds the memory figure and the
-        rejection note (None: not known yet)."""
+    def show_modeled(self, view: logic.ModeledView, probe: Optional[logic.ProbeResult],
+                     rows: Sequence[ScheduleRow] = ()) -> None:
+        """Draw a modeled view and every schedule's ``rows`` beside it; ``probe`` (ipukit's
+        verdict) adds the memory figure and the rejection note (None: not known yet)."""
         rejected = probe is not None and probe.error
         title = view.title + (" — PopTorch rejects this configuration" if rejected else "")
         if view.drawn_note:
@@ -105,18 +99,29 @@ class Dashboard:
                 view.timeline, title="Utilisation per virtual IPU")}
         if probe is not None and probe.report is not None:
             figures["memory"] = plots.memory_figure(probe.report)
+        if rows:
+            figures["schedules"] = plots.schedule_comparison_figure(
+                [r.to_dict() for r in rows], selected=view.config.schedule,
+                title=f"Every schedule on these stages — modeled ({view.cost_source})")
         self._draw(figures, self._modeled)
         self.summary.value = logic.format_summary(view)
 
-    def show_measured(self, timeline, history: List[dict], call: int) -> None:
-        """Draw the latest measured call and the training curves."""
+    def show_measured(self, timeline, history: List[dict], call: int, modeled=None) -> None:
+        """Draw the latest measured call (over ``modeled``, the same call modeled from its
+        own costs, when given) and the training curves."""
         drawn, note = logic.clip_for_drawing(timeline)
         title = f"Latest call (call {call})" + (f" ({note})" if note else "")
+        if modeled is None:
+            figure = plots.timeline_figure(drawn, title=title)
+        else:
+            figure = plots.compare_figure(drawn, logic.clip_for_drawing(modeled)[0])
+            figure.update_layout(title=dict(
+                text=f"{title}: measured, and modeled from the costs measured in it"))
         self._draw({
             "measured utilisation": plots.utilisation_figure(
                 timeline, title=f"Utilisation per virtual IPU (call {call})"),
             "training": plots.loss_accuracy_figure(history),
-            "measured timeline": plots.timeline_figure(drawn, title=title)}, self._measured)
+            "measured timeline": figure}, self._measured)
 
     def clear_measured(self) -> None:
         """Empty training curves, before any run (or after a new model)."""
@@ -133,9 +138,32 @@ class Dashboard:
         self.reset_button.disabled = running
         self.stop_button.disabled = not running
 
+    # the figures by their attribute names
+    modeled_timeline_figure = property(lambda self: self.figures["modeled timeline"])
+    modeled_utilisation_figure = property(lambda self: self.figures["modeled utilisation"])
+    memory_figure = property(lambda self: self.figures["memory"])
+    measured_timeline_figure = property(lambda self: self.figures["measured timeline"])
+    measured_utilisation_figure = property(lambda self: self.figures["measured utilisation"])
+    training_figure = property(lambda self: self.figures["training"])
+
     def redraw(self) -> None:
-        """Send every figure to the front end again (a view still being created can miss
-        updates)."""
-        for figures in (self._modeled, self._measured):
-            for name, figure in figures.items():
-                update_figure(self.figures[name], figure)
+        """Show every figure again, each in a fresh FigureWidget that carries it whole.
+
+        plotly's FigureWidget sends changes as deltas (delete these traces, add
+        those), and the browser applies them only once the widget's JavaScript
+        has loaded: a delta sent before that is lost, and every later one then
+        fails against traces the view does not have (blank figures in 2 of 3
+        runs of the browser tests). A new widget's first state is the whole
+        figure, so the browser draws what the kernel holds. Call it from the
+        kernel's main thread (widgets are created here).
+        """
+        for name, old in list(self.figures.items()):
+            figure = self._modeled.get(name) or self._measured.get(name)
+            if figure is None:
+                continue
+            whole = go.Figure(figure)
+            whole.update_layout(width=old.layout.width, height=old.layout.height)
+            fresh = go.FigureWidget(whole)
+            self.figures[name] = fresh
+            self._boxes[name].children = (fresh,)
+            old.close()

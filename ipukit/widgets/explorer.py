@@ -158,14 +158,14 @@ class PipelineExplorer:
 
     def wait_for_verdict(self, timeout: Optional[float] = 120.0) -> Optional[logic.ProbeResult]:
         """Block until ipukit's verdict on the current controls is shown; returns it."""
-        return self.modeler.wait(timeout)
+        return self.modeler.wait_for_verdict(timeout)
 
     def _show_error(self) -> None:
         runner = self.runner
         if runner.run_error and runner.failed:
             self.dashboard.show_error(runner.run_error, failed=True)
         else:
-            self.dashboard.show_error(runner.run_error or self.modeler.error)
+            self.dashboard.show_error(runner.run_error or self.modeler.config_error)
 
     # -- read-back ---------------------------------------------------------------------
     @property
@@ -175,7 +175,7 @@ class PipelineExplorer:
         if self.runner.run_error:
             return self.runner.run_error
         self.wait_for_verdict()
-        return self.modeler.error
+        return self.modeler.config_error
 
     @property
     def probe_result(self) -> Optional[logic.ProbeResult]:
@@ -248,5 +248,5 @@ class PipelineExplorer:
     def close(self) -> None:
         """Stop any run and close the widgets."""
         self.stop(wait=True)
-        self.modeler.wait()
+        self.modeler.wait_for_verdict()
         self.widget.close()

@@ -30,12 +30,15 @@ import torch
 from ..enums import AutoStage, OutputMode
 from ..errors import Error
 from ..options import Options, TensorLocationSettings
+from ..schedule import kind_of
+from ..schedules import LOOPED, V_SHAPED, placement
 from ..simulate import available_cores, simulate, uncontended_costs
 from ..strategies import PipelinedExecution, ShardedExecution, Stage
 from ..timeline import Timeline
 
 OUTPUT_MODES = ("All", "Final", "Sum", "EveryN", "Default")
-SCHEDULES = ("1F1B", "GPipe")
+#: Every pipelined schedule, by its ``Options.pipelineSchedule`` name (1F1B, ipukit's default, first).
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "ZBH1", "ZBV", "DualPipeV")
 EXECUTIONS = ("pipelined", "sharded")
 DEFAULT_BLOCKS = ("B1", "B2", "B3", "B4")
 
@@ -154,10 +157,11 @@ class Config:
 
     @property
     def schedule_kind(self) -> str:
-        """The :func:`ipukit.simulate` kind the run will use: sharded, gpipe or 1f1b."""
+        """The :func:`ipukit.simulate` kind the run will use: ``sharded``, or the schedule's
+        kind (``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``zbv``...)."""
         if self.sharded and self.num_stages > 1:
             return "sharded"
-        return self.schedule.lower()
+        return kind_of(self.schedule) or self.schedule.lower()
 
     @property
     def resolved_output_mode(self) -> str:
@@ -177,13 +181,54 @@ class Config:
                                                 else ""))
 
 
+def placed(config: Config) -> Config:
+    """``config`` with its stages on the IPUs its schedule wants.
+
+    Interleaved 1F1B and looped BFS put stage ``s`` on IPU ``s mod P``, ZBV and
+    DualPipeV IPU ``i`` on stages ``i`` and ``2P − 1 − i`` (``P`` = half the
+    stages): ipukit's :func:`ipukit.schedules.placement` says where. The other
+    schedules keep one stage per IPU. Raises :class:`ipukit.schedule.ScheduleError`
+    (a ``ValueError``) when the stages do not fit, e.g. an odd number for a V.
+    """
+    kind = config.schedule_kind
+    if kind not in LOOPED + V_SHAPED:
+        return config
+    return config.with_(ipus=tuple(placement(kind, config.num_stages)))
+
+
+def example_config(model: str = "convnet", split: Optional[str] = None,
+                   layers_per_ipu: Optional[Sequence[int]] = None, **values) -> Config:
+    """A :class:`Config` of one of the explorer's models (``"convnet"`` or ``"ViT"``).
+
+    The convnet takes a ``split`` label (default: one block per stage); the ViT
+    a ``layers_per_ipu`` (default: its packaged IPUConfig's), and its split is
+    where the ViT's own ``parallelize`` puts each block. Other keywords are
+    :class:`Config` fields; the stages go on the IPUs the schedule wants
+    (:func:`placed`). Raises :class:`ipukit.Error` for counts that do not fit
+    the model, a ``ValueError`` for stages the schedule cannot place.
+    """
+    from .models import example_models, layered_split
+
+    spec = example_models()[model]
+    if not spec.layered:
+        return placed(Config(model=spec.name, blocks=spec.blocks,
+                             split=split or next(iter(contiguous_splits(spec.blocks))), **values))
+    layers = tuple(int(n) for n in (layers_per_ipu or spec.default_layers))
+    block_ipus, stage_ipus = layered_split(spec, layers)
+    ipus = () if stage_ipus == tuple(range(len(stage_ipus))) else stage_ipus
+    return placed(Config(model=spec.name, blocks=spec.blocks,
+                         split=split_label(spec.blocks, block_ipus), layers_per_ipu=layers,
+                         ipus=ipus, **values))
+
+
 def strategy_for(config: Config) -> PipelinedExecution:
-    """The execution strategy of ``config``: one :class:`~ipukit.Stage` per group of blocks."""
-    if tuple(config.blocks) == DEFAULT_BLOCKS:
+    """The execution strategy of ``config``: one :class:`~ipukit.Stage` per group of blocks,
+    on the IPU of :attr:`Config.stage_ipus`."""
+    if tuple(config.blocks) == DEFAULT_BLOCKS and not config.ipus:
         from ..examples.mnist import strategy
 
         return strategy(config.split_ids, sharded=config.sharded)
-    stages = [Stage(*names).ipu(ipu) for ipu, names in enumerate(config.stage_blocks)]
+    stages = [Stage(*names).ipu(ipu) for ipu, names in zip(config.stage_ipus, config.stage_blocks)]
     cls = ShardedExecution if config.sharded else PipelinedExecution
     return cls(*stages)
 
@@ -220,6 +265,8 @@ def training_options(config: Config) -> Options:
         opts = ipu_config_for(config).to_options()
         if config.sharded:
             opts.setExecutionStrategy(ShardedExecution(AutoStage.AutoIncrement))
+        elif config.schedule_kind in LOOPED + V_SHAPED:   # each layers_per_ipu entry a stage,
+            opts.setExecutionStrategy(strategy_for(config))   # on the IPUs the schedule wants
     else:
         opts = Options().deviceIterations(config.device_iterations)
         opts.replicationFactor(config.replicas)
@@ -242,8 +289,8 @@ def inference_options(config: Config, device_iterations: int) -> Options:
     if config.layered:
         cls = ShardedExecution if config.sharded else PipelinedExecution
         opts.setExecutionStrategy(cls(AutoStage.AutoIncrement))
-    else:
-        opts.setExecutionStrategy(strategy_for(config))
+    else:       # inference runs the stages one per IPU, whatever the training schedule
+        opts.setExecutionStrategy(strategy_for(config.with_(ipus=())))
     return opts
 
 
@@ -309,6 +356,9 @@ class CostTable:
     host_per_sample: float = _HOST_PER_SAMPLE
     micro_batch_size: int = 40
     source: str = "default cost table"
+    #: the weight-gradient share of a backward pass that zero-bubble schedules split in
+    #: two (I, then W); 0.5 unless a run with a split backward measured it
+    weight_share: float = 0.5
 
     @property
     def measured(self) -> bool:
@@ -373,6 +423,9 @@ def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = N
         b = stage["backward"][s] if s < len(stage["backward"]) else 0.0
         forward.update(_share(f, "forward", names, config.micro_batch_size))
         backward.update(_share(b, "backward", names, config.micro_batch_size))
+    share = 0.5
+    if stage.get("input-grad") and sum(stage["input-grad"]) + sum(stage["weight-grad"]) > 0:
+        share = sum(stage["weight-grad"]) / (sum(stage["input-grad"]) + sum(stage["weight-grad"]))
     step = _median([e.duration for e in timeline.host_steps()], _STEP)
     host = [e for e in timeline.events if e.kind == "host"]
     edge = [e for e in host if e.start <= timeline.start + 1e-12 or e.end >= timeline.end - 1e-12]
@@ -381,7 +434,7 @@ def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = N
     return CostTable(tuple(config.blocks), forward, backward, step=step,
                      host_overhead=sum(e.duration for e in edge), host_per_sample=0.0,
                      micro_batch_size=config.micro_batch_size,
-                     source=source or "costs measured in a run")
+                     source=source or "costs measured in a run", weight_share=share)
 
 
 def _median(values: Sequence[float], default: float) -> float:
@@ -413,7 +466,8 @@ def modeled_timeline(config: Config, costs: CostTable, parameters: int = 0) -> T
                     forward_cost=c["forward"], backward_cost=c["backward"],
                     step_cost=[step] * n, host_overhead=host,
                     iterations=config.device_iterations, replicas=config.replicas,
-                    stage_ipus=list(config.stage_ipus), samples=config.combined_batch)
+                    stage_ipus=list(config.stage_ipus), samples=config.combined_batch,
+                    weight_share=costs.weight_share)
 
 
 def clip_for_drawing(timeline: Timeline, max_events: int = MAX_DRAWN_EVENTS) -> Tuple[Timeline, str]:

@@ -8,11 +8,12 @@ background); both are drawn on the :class:`~ipukit.widgets.dashboard.Dashboard`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from . import logic
+from .comparison import ScheduleRow, schedule_rows
 from .dashboard import Dashboard
 from .data import ExplorerData
 from .logic import Config
@@ -38,6 +39,8 @@ class Modeler:
         self.costs = logic.default_costs(config0.blocks, config0.micro_batch_size)
         self.config: Optional[Config] = None
         self.view: Optional[logic.ModeledView] = None
+        #: every schedule on the same stages, modeled (:func:`~ipukit.widgets.comparison.schedule_rows`)
+        self.rows: List[ScheduleRow] = []
         self._verdict_error: Optional[str] = None     # ipukit's verdict on ``config``
         self._rejection: Optional[str] = None         # a control value that makes no config
         self.prober = Prober(self._compile, self._verdict, lock)
@@ -46,19 +49,20 @@ class Modeler:
         """Model ``config`` now and draw it; the verdict follows when compiled."""
         with self._lock:
             self.config = config
-            self.view = logic.modeled_view(config, self.costs, self.data.samples_per_epoch,
-                                           parameters=self.parameters(config.model))
+            samples, parameters = self.data.samples_per_epoch, self.parameters(config.model)
+            self.view = logic.modeled_view(config, self.costs, samples, parameters=parameters)
+            self.rows = schedule_rows(config, self.costs, samples, parameters)
             result = self.prober.request(config)
             self._rejection = None
             self._verdict_error = result.error if result is not None else None
-            self.dashboard.show_modeled(self.view, result)
+            self.dashboard.show_modeled(self.view, result, self.rows)
 
     def reject(self, message: str) -> None:
         """A control value that makes no configuration: say why, keep the last view."""
         self._rejection = message
 
     @property
-    def error(self) -> Optional[str]:
+    def config_error(self) -> Optional[str]:
         """What the error box says about the controls (None: nothing known against them)."""
         return self._rejection or self._verdict_error
 
@@ -67,10 +71,10 @@ class Modeler:
             if config != self.config:
                 return
             self._verdict_error = result.error
-            self.dashboard.show_modeled(self.view, result)
+            self.dashboard.show_modeled(self.view, result, self.rows)
         self._on_verdict()
 
-    def wait(self, timeout: Optional[float] = 120.0) -> Optional[logic.ProbeResult]:
+    def wait_for_verdict(self, timeout: Optional[float] = 120.0) -> Optional[logic.ProbeResult]:
         """Block until the verdict on the current configuration is known; returns it."""
         self.prober.wait(timeout)
         return self.prober.cached(self.config) if self.config is not None else None

@@ -144,6 +144,8 @@ class Runner:
         stopped = " (stopped)" if self._stop.is_set() else ""
         text = (f"Trained {len(self.history)} calls in all{stopped}; last call "
                 f"{record['seconds']:.2f} s, {record['samples_per_s']:,.0f} samples/s.")
+        if self.evaluate_after_run and session.test_dataset is None:
+            session.test_dataset = self.data.test_dataset     # created while not evaluating
         if self.evaluate_after_run and session.test_dataset is not None:
             status.value = text + " Testing…"
             self.test_accuracy = session.evaluate(config, self._test_limit,
@@ -166,4 +168,5 @@ class Runner:
             f"Call {record['call']}: loss {record['loss']:.4f}, training accuracy {acc} from "
             f"{record['predictions']:,} of {record['combined_batch']:,} samples "
             f"({config.resolved_output_mode} output), {record['samples_per_s']:,.0f} samples/s.")
-        self.dashboard.show_measured(timeline, self.history, record["call"])
+        modeled = logic.modeled_timeline(config, logic.costs_from_run(timeline, config))
+        self.dashboard.show_measured(timeline, self.history, record["call"], modeled)

@@ -1,0 +1,92 @@
+"""Every pipeline schedule on the explorer's current model, split, batching and costs (modeled).
+
+The explorer's stage split (or the ViT's ``layers_per_ipu``) fixes the stages;
+each schedule places them the way it needs (:func:`ipukit.widgets.logic.placed`):
+GPipe, 1F1B and ZB-H1 one stage per IPU, interleaved 1F1B and looped BFS in a
+loop, ZBV and DualPipeV in a V — two stages per IPU, so on half as many IPUs.
+:func:`schedule_rows` models one host call of each with the same
+:func:`~ipukit.widgets.logic.modeled_view` the explorer's summary uses, so the
+row of the selected schedule is the summary's numbers. Nothing here imports
+ipywidgets.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+from ..compare import peak_activations
+from ..timeline import Timeline
+from . import logic
+from .logic import Config, CostTable
+
+
+@dataclass
+class ScheduleRow:
+    """One schedule's modeled call: speed, bubble, activation memory (or why it cannot run)."""
+
+    schedule: str                          # the Options.pipelineSchedule name
+    kind: str
+    ipus: int = 0
+    available: bool = True
+    reason: str = ""
+    time_per_step: Optional[float] = None         # seconds per optimiser step
+    samples_per_second: Optional[float] = None
+    bubble: Optional[float] = None                # fill and drain, share of all IPU time
+    peak_activations: Optional[float] = None      # the fullest IPU, in stage × micro-batch units
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def held_per_ipu(timeline: Timeline, stage_ipus) -> List[float]:
+    """Per IPU, the most micro-batch activations its stages hold at once.
+
+    Counted in units of one stage's activations of one micro-batch, so that every
+    schedule of the same stages is measured alike (a V's IPU holding two stages
+    counts both). From :func:`ipukit.compare.peak_activations`, which weighs each
+    stage by its share of its IPU.
+    """
+    stages_on = Counter(stage_ipus)
+    return [w * stages_on[ipu] for ipu, w in enumerate(peak_activations(timeline, list(stage_ipus)))]
+
+
+def for_schedule(config: Config, schedule: str) -> Config:
+    """``config`` pipelined with ``schedule``, its stages placed as that schedule wants.
+
+    Raises a ``ValueError`` (ipukit's :class:`~ipukit.schedule.ScheduleError`) when
+    the stages cannot be placed so, e.g. an odd number of them for a V.
+    """
+    if config.layered:         # the model's own placement first (an IPU given no layer)
+        fields = asdict(config)
+        for name in ("model", "blocks", "split", "layers_per_ipu", "ipus"):
+            fields.pop(name)
+        fields.update(schedule=schedule, sharded=False)
+        return logic.example_config(config.model, layers_per_ipu=config.layers_per_ipu,
+                                    **fields)
+    return logic.placed(config.with_(schedule=schedule, sharded=False, ipus=()))
+
+
+def schedule_row(config: Config, schedule: str, costs: CostTable, samples_per_epoch: int,
+                 parameters: int = 0) -> ScheduleRow:
+    """``config`` with ``schedule``, modeled (unavailable, with the reason, if it cannot
+    place the stages)."""
+    kind = config.with_(schedule=schedule, sharded=False).schedule_kind
+    try:
+        placed = for_schedule(config, schedule)
+        view = logic.modeled_view(placed, costs, samples_per_epoch, parameters=parameters)
+    except (ValueError, logic.Error) as exc:
+        return ScheduleRow(schedule, kind, available=False, reason=str(exc))
+    held = held_per_ipu(view.timeline, placed.stage_ipus)
+    return ScheduleRow(schedule, kind, ipus=len(set(placed.stage_ipus)),
+                       time_per_step=view.time_per_step,
+                       samples_per_second=view.samples_per_second, bubble=view.bubble,
+                       peak_activations=max(held) if held else 0.0)
+
+
+def schedule_rows(config: Config, costs: CostTable, samples_per_epoch: int,
+                  parameters: int = 0) -> List[ScheduleRow]:
+    """Every pipelined schedule of :data:`ipukit.widgets.logic.SCHEDULES` for ``config``'s
+    model, stages, batching and ``costs`` (pipelined, whatever ``config.sharded`` says)."""
+    return [schedule_row(config, name, costs, samples_per_epoch, parameters)
+            for name in logic.SCHEDULES]
