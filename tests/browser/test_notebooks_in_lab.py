@@ -306,7 +306,7 @@ def check_explorer(nb, plots):
 
     shown = nb.marker("explorer")
     in_widgets = [p for p in plots if p["in_widget"]]
-    assert len(in_widgets) == shown["figures"] == 6
+    assert len(in_widgets) == shown["figures"] == 7
     for name, values in (("modeled utilisation", shown["modeled"]),
                          ("measured utilisation", shown["measured"])):
         drawn = bars(plot_titled(plots, shown["titles"][name]))
@@ -456,7 +456,7 @@ def test_explorer_figures_fit_their_boxes(notebooks):
     """Each of the explorer's figures is laid out at the width of the box that holds it."""
     nb = notebooks.run(EXPLORER)
     figures = [p for p in nb.plots() if p["in_widget"]]
-    assert len(figures) == 6, f"{len(figures)} of the explorer's 6 figures drawn"
+    assert len(figures) == 7, f"{len(figures)} of the explorer's 7 figures drawn"
     problems = [f"{head(p['title'])!r}: drawn {p['drawn_width']} px wide in a {p['box_width']} px box"
                 for p in figures if not
                 (0.9 * p["box_width"] <= p["drawn_width"] <= p["box_width"] + 1)]
@@ -550,3 +550,138 @@ def test_explorer_controls_round_trip(notebooks):
     message = nb.node.locator(".widget-html", has_text="PopTorch would reject this")
     nb.wait_for(lambda: message.count() == 1 and "gradientAccumulation" in message.text_content())
     nb.screenshot("02_pipeline_explorer-rejected.png")
+
+
+KERNEL_EXPLORER_STATE = r'''
+import dataclasses as _dc, json as _json
+explorer.wait_for_verdict()
+print(_json.dumps({"config": _dc.asdict(explorer.config), "costs": _dc.asdict(explorer.costs),
+                   "samples": explorer.samples_per_epoch,
+                   "parameters": explorer.probe_result.parameters}))
+del _dc, _json
+'''
+
+
+def kernel_explorer_state(nb) -> dict:
+    """The explorer's current settings and costs, from the kernel."""
+    return json.loads(nb.kernel_execute(KERNEL_EXPLORER_STATE))
+
+
+@pytest.mark.timeout(1200)
+def test_explorer_model_selector_and_layers_per_ipu(notebooks):
+    """Choose the ViT in the model <select>, type layers_per_ipu into its box: the modeled
+    bars are the ViT's, computed here with ipukit.widgets.logic (the placement read from the
+    ViT's own parallelize(IPUConfig)); counts that do not make 8 layers show IPUConfig's error."""
+    from ipukit.widgets import logic
+
+    nb = notebooks.run(EXPLORER)
+    # a legal window for every split below, set from code; the rest as the kernel has it
+    nb.kernel_execute("explorer.set(model='convnet', schedule='1F1B', gradient_accumulation=16, "
+                      "layers_per_ipu='2, 2, 2, 2')")
+    state = kernel_explorer_state(nb)
+    keep = {k: v for k, v in state["config"].items()
+            if k not in ("model", "blocks", "split", "layers_per_ipu", "ipus")}
+    title = "Utilisation per virtual IPU — modeled"
+    modeled_box = nb.node.locator(".widget-vbox", has_text="Modeled — updates").first
+
+    def expect(layers, stages):
+        config = logic.example_config("ViT", layers_per_ipu=layers, **keep)
+        view = logic.modeled_view(config, logic.default_costs(config.blocks,
+                                                              config.micro_batch_size),
+                                  state["samples"])
+        want = logic.bar_values(view.utilisation)
+
+        def check():
+            got = bars(plot_titled(nb.plots(), title))
+            assert len(got["y"]) == stages, f"{len(got['y'])} bars drawn, {stages} stages"
+            assert approx_list(got["y"], want), f"drawn {got['y']}, model {want}"
+            return got["y"]
+
+        return nb.wait_for(check)
+
+    select = nb.node.locator(".widget-dropdown",
+                             has=nb.page.get_by_text("model", exact=True)).locator("select")
+    select.select_option("ViT")
+    level = expect([2, 2, 2, 2], 4)
+    assert max(level) - min(level) < 20, f"the ViT's [2, 2, 2, 2] is balanced: {level}"
+    # a Combobox: a text box with suggestions; its label's parent is the widget
+    field = nb.node.get_by_text("layers per IPU", exact=True).locator("xpath=..").locator("input")
+    assert field.is_visible()
+    assert not nb.node.locator(".widget-dropdown", has=nb.page.get_by_text(
+        "stage split", exact=True)).is_visible()
+
+    def type_layers(text):
+        field.fill(text)
+        field.press("Enter")
+
+    type_layers("3, 3, 1, 1")
+    lopsided = expect([3, 3, 1, 1], 4)
+    assert max(lopsided) - min(lopsided) > max(level) - min(level)
+    type_layers("2, 2, 2")
+    message = nb.node.locator(".widget-html", has_text="PopTorch would reject this")
+    nb.wait_for(lambda: message.count() == 1 and "places 6 layers" in message.text_content())
+    expect([3, 3, 1, 1], 4)                       # the last modeled view stays
+    type_layers("-1, -1")
+    expect([-1, -1], 2)
+    nb.wait_for(lambda: message.count() == 0)
+    modeled_box.scroll_into_view_if_needed()
+    nb.screenshot("02_pipeline_explorer-vit.png")
+    # and back: the convnet's split control and its four bars
+    select.select_option("convnet")
+    nb.wait_for(lambda: not field.is_visible())
+    convnet = logic.example_config("convnet", split=state["config"]["split"], **keep)
+    view = logic.modeled_view(convnet, logic.default_costs(convnet.blocks, convnet.micro_batch_size),
+                              state["samples"])
+    nb.wait_for(lambda: approx_list(bars(plot_titled(nb.plots(), title))["y"],
+                                    logic.bar_values(view.utilisation)))
+
+
+@pytest.mark.timeout(1200)
+def test_explorer_schedule_selector_and_comparison(notebooks):
+    """Choose schedules in the schedule <select>: the comparison chart draws, for every
+    schedule, the time per step, bubble and peak activations that ipukit.widgets.comparison
+    computes here (ipukit.simulate on the kernel's stages, batching and costs), and the modeled
+    timeline of the selected one draws its passes (I and W for the zero-bubble schedules) on
+    the IPUs its placement uses."""
+    from ipukit import plots as ipuplots
+    from ipukit.schedules import placement
+    from ipukit.widgets import comparison, logic
+
+    nb = notebooks.run(EXPLORER)
+    nb.kernel_execute("explorer.set(model='convnet', split='B1 | B2 | B3 | B4', schedule='1F1B', "
+                      "sharded=False, gradient_accumulation=16)")
+    state = kernel_explorer_state(nb)
+    config, costs = explorer_model(state)
+    select = nb.node.locator(".widget-dropdown",
+                             has=nb.page.get_by_text("schedule", exact=True)).locator("select")
+    chart = "Every schedule on these stages — modeled"
+
+    for name in ("ZBV", "ZBH1", "Interleaved1F1B", "1F1B"):
+        select.select_option(name)
+        chosen = logic.placed(config.with_(schedule=name))
+        rows = comparison.schedule_rows(chosen, costs, state["samples"], state["parameters"])
+        want = [[1e3 * r.time_per_step for r in rows], [100 * r.bubble for r in rows],
+                [r.peak_activations for r in rows]]
+        ipus = {f"IPU {i}" for i in chosen.stage_ipus}
+        zero_bubble = chosen.schedule_kind in ("zb-h1", "zbv", "dualpipev")
+
+        def check():
+            plots = nb.plots()
+            drawn = plot_starting(plots, chart)
+            assert [t["type"] for t in drawn["traces"]] == ["bar"] * 3
+            for trace, values in zip(drawn["traces"], want):
+                assert approx_list(trace["y"], values), f"{trace['name']}: drawn {trace['y']}, model {values}"
+            assert drawn["traces"][0]["x"][list(logic.SCHEDULES).index("ZBV")] == "ZBV<br>2 IPUs"
+            timeline = plot_starting(plots, "Modeled call")
+            names = {t["name"] for t in timeline["traces"]}
+            labels = {ipuplots.LABELS["input-grad"], ipuplots.LABELS["weight-grad"]}
+            assert (labels <= names) == zero_bubble, f"{name}: {names}"
+            rows_drawn = {y for t in timeline["traces"] for y in t["y"]} - {"host"}
+            assert rows_drawn == ipus, f"{name}: rows {rows_drawn}, placement {ipus}"
+            return True
+
+        nb.wait_for(check)
+        if name == "ZBV":
+            assert chosen.stage_ipus == tuple(placement("zbv", 4))
+            nb.node.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+            nb.screenshot("02_pipeline_explorer-zbv.png")
