@@ -766,3 +766,17 @@ def test_a_session_made_while_not_evaluating_evaluates_later():
         assert ex.test_accuracy is not None
     finally:
         ex.close()
+
+
+def test_the_readme_table_of_schedules_is_the_simulators():
+    """README "Bubble and memory of every schedule": regenerate with
+    ``python -m ipukit.widgets.comparison``."""
+    import pathlib
+
+    from ipukit.widgets.comparison import schedule_table
+
+    readme = pathlib.Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    table = schedule_table()
+    assert table in readme
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "27.3 %" in rows['`"1F1B"`'] and "11.1 %" in rows['`"ZBH1"`']      # a third left

@@ -90,3 +90,38 @@ def schedule_rows(config: Config, costs: CostTable, samples_per_epoch: int,
     model, stages, batching and ``costs`` (pipelined, whatever ``config.sharded`` says)."""
     return [schedule_row(config, name, costs, samples_per_epoch, parameters)
             for name in logic.SCHEDULES]
+
+
+# -- the README's table ------------------------------------------------------------------------
+
+def schedule_table(num_ipus: int = 4, micro_batches=(8, 32), forward_cost: float = 1.0,
+                   backward_cost: float = 2.0) -> str:
+    """The README's table of every schedule's bubble and memory, from :func:`ipukit.compare_schedules`.
+
+    Equal costs on every IPU (a forward ``forward_cost``, a backward
+    ``backward_cost``: I and W half each), the same ``num_ipus`` IPUs for every
+    schedule (two stages per IPU where a schedule needs them, each half the
+    IPU's part of the model). Run ``python -m ipukit.widgets.comparison`` to
+    print it; ``tests/test_widgets.py`` checks the README holds it.
+    """
+    from ..compare import compare_schedules
+
+    runs = {m: compare_schedules(num_ipus, m, forward_cost=forward_cost,
+                                 backward_cost=backward_cost) for m in micro_batches}
+    first = micro_batches[0]
+    head = (["schedule", f"stages on {num_ipus} IPUs"]
+            + [f"step, M = {m} (units)" for m in micro_batches]
+            + [f"bubble, M = {m}" for m in micro_batches]
+            + [f"peak activations per IPU, M = {first}"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind, s in runs[first].items():
+        cells = [f"`\"{s.name}\"`", str(s.num_stages)]
+        cells += [f"{runs[m][kind].step_time:g}" for m in micro_batches]
+        cells += [f"{100 * runs[m][kind].bubble:.1f} %" for m in micro_batches]
+        cells.append(", ".join(f"{a:g}" for a in s.peak_activations))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(schedule_table())
