@@ -780,3 +780,17 @@ def test_the_readme_table_of_schedules_is_the_simulators():
     assert table in readme
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
     assert "27.3 %" in rows['`"1F1B"`'] and "11.1 %" in rows['`"ZBH1"`']      # a third left
+
+
+def test_explorer_trains_the_vit_on_a_v_of_eight_one_layer_stages(explorer):
+    from ipukit.schedules import placement
+
+    explorer.set(model="ViT", layers_per_ipu="1, 1, 1, 1, 1, 1, 1, 1", schedule="ZBV",
+                 device_iterations=1, gradient_accumulation=4, micro_batch_size=8)
+    assert explorer.config.stage_ipus == tuple(placement("zbv", 8))
+    assert explorer.last_error is None
+    records = explorer.run(calls=1)
+    assert len(records) == 1 and explorer.last_error is None, explorer.last_error
+    assert sorted(explorer.measured_utilisation) == [0, 1, 2, 3]
+    stages = {(e.stage, e.ipu) for e in explorer.measured_timeline.device_events() if e.stage >= 0}
+    assert stages == set(enumerate(placement("zbv", 8)))
