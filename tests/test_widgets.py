@@ -434,7 +434,8 @@ def test_logic_needs_no_ipywidgets():
     import subprocess
     import sys
 
-    code = ("import sys, ipukit.widgets.logic, ipukit.widgets.session; "
+    code = ("import sys, ipukit.widgets.logic, ipukit.widgets.session, ipukit.widgets.models, "
+            "ipukit.widgets.comparison, ipukit.widgets.data; "
             "assert 'ipywidgets' not in sys.modules, 'logic imported ipywidgets'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -1,10 +1,16 @@
 """Interactive notebook widgets for ipukit.
 
-``PipelineExplorer`` (in :mod:`ipukit.widgets.explorer`) is the dashboard;
-:mod:`ipukit.widgets.logic` holds its pure logic (control values → options,
-modeled timelines and figure data) and :mod:`ipukit.widgets.session` the
-training it runs with ipukit. The explorer needs ipywidgets (``pip install
-ipukit[notebooks]``); the logic does not.
+``PipelineExplorer`` (in :mod:`ipukit.widgets.explorer`) is the dashboard. Its
+parts: :mod:`~ipukit.widgets.controls` (the controls and the configuration they
+describe), :mod:`~ipukit.widgets.dashboard` (figures, text, buttons),
+:mod:`~ipukit.widgets.modeler` and :mod:`~ipukit.widgets.prober` (the modeled
+call and ipukit's verdict on it), :mod:`~ipukit.widgets.runner` (Run, Stop, New
+model). The pure logic needs no ipywidgets: :mod:`~ipukit.widgets.logic`
+(control values → options, modeled timelines and figure data),
+:mod:`~ipukit.widgets.comparison` (every schedule on the same stages),
+:mod:`~ipukit.widgets.models` (the convnet and the ViT placed by
+``layers_per_ipu``) and :mod:`~ipukit.widgets.session` (the training it runs
+with ipukit). The explorer needs ipywidgets (``pip install ipukit[notebooks]``).
 """
 from __future__ import annotations
 
