@@ -6,6 +6,13 @@ step. Sharded execution does the same arithmetic one stage at a time, so it
 should cost almost nothing extra; pipelined execution should beat the loop
 once stages run on their own cores. Also measured: the cost of one hand-off
 between two worker threads (an activation put in a mailbox and taken out).
+
+The loop is timed at the suite's thread count (``--threads``, default 1) and
+again with every core as intra-op threads. What that second core buys the loop
+bounds what pipelining can show against it: N balanced stages with M
+micro-batches per step are at most min(N·M/(M+N−1), cores) times the 1-thread
+loop (1.88 for 2 stages and 16 micro-batches on 2 cores), so against a loop
+whose own speed-up on 2 cores is s the bound is 1.88/s.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import torch
 
 from ipukit.workers import Exchange
 
-from .common import Sizes, cores, interleaved, median, paired_ratio, verdict
+from .common import Sizes, cores, interleaved, median, paired_ratio, threads, verdict
 from .models import BalancedNet, balanced_data, balanced_ipukit, balanced_sequential
 
 DEVICE_ITERATIONS = 2
@@ -50,8 +57,10 @@ def _model(stages: int, s: Sizes, sharded: bool):
 def against_loop(s: Sizes, stages: int) -> Dict[str, float]:
     x, y = balanced_data(s.width, s.micro_batch * s.micro_batches * DEVICE_ITERATIONS)
     shard, pipe = _model(stages, s, True), _model(stages, s, False)
-    variants = {"loop": plain_loop(stages, s, x, y), "sharded": lambda: shard(x, y),
-                "pipelined": lambda: pipe(x, y)}
+    loop = plain_loop(stages, s, x, y)
+    variants = {"loop": loop, "sharded": lambda: shard(x, y), "pipelined": lambda: pipe(x, y)}
+    if torch.get_num_threads() != cores():
+        variants["loop_all_cores"] = _all_cores(loop)
     for fn in variants.values():
         fn()
     per_round = 2
@@ -60,7 +69,21 @@ def against_loop(s: Sizes, stages: int) -> Dict[str, float]:
     for name in ("sharded", "pipelined"):  # speed ÷ the loop's = loop time ÷ variant time
         ratio, noise = paired_ratio(t["loop"], t[name], per_round)
         out[name + "_speed"], out[name + "_noise"] = ratio, noise
+    if "loop_all_cores" in t:
+        out["loop_all_cores_speed"], out["loop_all_cores_noise"] = paired_ratio(
+            t["loop"], t["loop_all_cores"], per_round)
+        out["pipelined_vs_all_cores"], out["pipelined_vs_all_cores_noise"] = paired_ratio(
+            t["loop_all_cores"], t["pipelined"], per_round)
+    m = s.micro_batches  # the fill/drain bound, and never more than the cores
+    out["bound"] = min(stages * m / (m + stages - 1), float(cores()))
     return out
+
+
+def _all_cores(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with threads(cores()):
+            fn()
+    return run
 
 
 def hand_off_cost(exchanges: int = 2000) -> float:
@@ -101,7 +124,16 @@ def anchor(s: Sizes) -> dict:
                         verdict(d["pipelined_speed"], d["pipelined_noise"], 1.3, below=False)
                         if goal else None,
                         f"{d['pipelined_s'] * 1e3:.1f} ms; {min(n, cores())} of {cores()} cores "
-                        "can work at once"))
+                        f"can work at once: at most {d['bound']:.2f}× the 1-thread loop"))
+        if "loop_all_cores_speed" in d:
+            rows += [row("anchor", f"{n} stages: plain loop with {cores()} threads ÷ with "
+                                   f"{torch.get_num_threads()}", d["loop_all_cores_speed"], "×",
+                         note=f"{d['loop_all_cores_s'] * 1e3:.1f} ms; the loop's own gain from "
+                         f"the other core(s): pipelining can be at most {d['bound']:.2f} ÷ this "
+                         "times faster than that loop"),
+                     row("anchor", f"{n} stages: pipelined speed ÷ plain loop with {cores()} "
+                                   "threads", d["pipelined_vs_all_cores"], "×",
+                         note=f"noise ±{d['pipelined_vs_all_cores_noise']:.3f}")]
     cost = hand_off_cost(200 if s.rounds < 5 else 2000)
     details["hand_off_s"] = cost
     rows.append(row("anchor", "one hand-off between worker threads", cost * 1e6, "µs", "≤ 15",

@@ -29,17 +29,23 @@ class Sizes:
     tutorial_ga: int         # gradient accumulation of the tutorial model's pipelined runs
     simulate_micro_batches: int
     compile_reps: int
+    recurrent_hidden: int        # pipeline wins: embedding and LSTM features
+    recurrent_length: int        # pipeline wins: time steps per sequence
+    recurrent_micro_batch: int   # pipeline wins: sequences per micro-batch
+    recurrent_micro_batches: int  # pipeline wins: micro-batches per optimiser step
 
 
 FULL = Sizes(rounds=15, steps_per_round=20, width=512, layers_per_stage=2, micro_batch=64,
              micro_batches=16, stage_counts=(2, 4), pipeline_calls=8,
              device_iterations=(1, 10, 100), di_samples=20_000, di_rounds=3, tutorial_ga=10,
-             simulate_micro_batches=1024, compile_reps=3)
+             simulate_micro_batches=1024, compile_reps=3, recurrent_hidden=96,
+             recurrent_length=48, recurrent_micro_batch=8, recurrent_micro_batches=16)
 
 SMOKE = Sizes(rounds=2, steps_per_round=2, width=32, layers_per_stage=1, micro_batch=8,
               micro_batches=4, stage_counts=(2,), pipeline_calls=2,
               device_iterations=(1, 2), di_samples=1_120, di_rounds=1, tutorial_ga=7,
-              simulate_micro_batches=64, compile_reps=1)
+              simulate_micro_batches=64, compile_reps=1, recurrent_hidden=16,
+              recurrent_length=4, recurrent_micro_batch=4, recurrent_micro_batches=4)
 
 BATCH = 40  # the tutorial's micro-batch size
 

@@ -39,3 +39,17 @@ def test_smoke_refuses_to_overwrite_the_real_results():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--out" in proc.stderr
+
+
+def test_pipeline_win_measures_every_variant():
+    """The 'pipeline wins' case (tiny sizes): five variants timed, two stages, a valid overlap."""
+    sys.path.insert(0, REPO)
+    from benchmarks.pipeline_win import measure
+
+    d = measure(hidden=8, length=3, micro_batch=2, micro_batches=4, rounds=2, per_round=1)
+    variants = ("loop_1", "loop_2", "sharded_1", "sharded_2", "pipelined")
+    assert all(d[v + "_s"] > 0 for v in variants)
+    assert all(d["pipelined_over_" + v] > 0 for v in variants[:4])
+    assert d["best_loop"] in variants[:2] and d["best_sharded"] in variants[2:4]
+    assert len(d["stage_ms_1_thread"]) == len(d["stage_ms_2_threads"]) == 2
+    assert sorted(d["timeline"].utilisation()["per_ipu"]) == [0, 1] and 0 <= d["overlap"] <= 1
