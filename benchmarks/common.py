@@ -39,7 +39,7 @@ FULL = Sizes(rounds=15, steps_per_round=20, width=512, layers_per_stage=2, micro
              micro_batches=16, stage_counts=(2, 4), pipeline_calls=8,
              device_iterations=(1, 10, 100), di_samples=20_000, di_rounds=3, tutorial_ga=10,
              simulate_micro_batches=1024, compile_reps=3, recurrent_hidden=96,
-             recurrent_length=48, recurrent_micro_batch=8, recurrent_micro_batches=16)
+             recurrent_length=48, recurrent_micro_batch=8, recurrent_micro_batches=32)
 
 SMOKE = Sizes(rounds=2, steps_per_round=2, width=32, layers_per_stage=1, micro_batch=8,
               micro_batches=4, stage_counts=(2,), pipeline_calls=2,

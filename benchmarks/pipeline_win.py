@@ -154,7 +154,7 @@ def overlap_share(tl: Timeline) -> float:
     return both / tl.wall_time
 
 
-def measure(hidden: int = 96, length: int = 48, micro_batch: int = 8, micro_batches: int = 16,
+def measure(hidden: int = 96, length: int = 48, micro_batch: int = 8, micro_batches: int = 32,
             layers: int = 1, rounds: int = 8, per_round: int = 2) -> Dict[str, object]:
     """Time one optimiser step of the recurrent net five ways, interleaved round by round.
 
@@ -207,7 +207,7 @@ def pipeline_win(s: Sizes) -> dict:
     from .suite import row  # the suite's row format
 
     d = measure(s.recurrent_hidden, s.recurrent_length, s.recurrent_micro_batch,
-                s.recurrent_micro_batches, rounds=s.rounds)
+                s.recurrent_micro_batches, rounds=s.rounds, per_round=3)
     tl = d.pop("timeline")
     d["pipelined_utilisation"] = tl.utilisation()["per_ipu"]
     size = (f"LSTM {d['sizes']['hidden']} × {d['sizes']['length']} steps, 2 stages, "

@@ -44,6 +44,15 @@ def markdown(results: Dict[str, dict], info: dict) -> str:
         for r in out["rows"]:
             lines.append(f"| {r['section']} | {r['metric']} | {_fmt(r['value'])} | {r['unit']} | "
                          f"{r['goal'] or ''} | {_verdict(r)} | {r['note']} |")
+    lines += ["", "Per benchmark (the load each one ran under):", "",
+              "| benchmark | seconds | load at start, end (1 min) | CPUs idle just before |",
+              "|---|---:|---|---:|"]
+    for name, out in results.items():
+        start, end = out.get("loadavg_start"), out.get("loadavg_end")
+        idle = out.get("idle_share")
+        lines.append(f"| {name} | {out.get('seconds', float('nan')):.0f} | "
+                     + (f"{start[0]:.2f}, {end[0]:.2f}" if start and end else "—") + " | "
+                     + (f"{idle:.0%}" if idle is not None else "—") + " |")
     lines.append("")
     return "\n".join(lines)
 

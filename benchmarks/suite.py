@@ -50,6 +50,10 @@ def overhead(s: Sizes) -> dict:
                 "≤ 1.02", verdict(ten["ratio"], ten["noise"], 1.02),
                 f"{ten['ipukit'] * 1e2:.2f} ms vs {ten['plain'] * 1e2:.2f} ms per step; "
                 f"{_noise(ten['noise'])}"),
+            row("overhead", "undoable call: one copy of weights, buffers, optimiser state",
+                one["undo_copy"] * 1e6, "µs",
+                note=f"{one['undo_copy'] / one['plain']:.1%} of the plain step, timed alone; a "
+                "failed call restores from it (the README's promise), so every call pays it"),
             row("overhead", "fixed cost per call (4×4 linear model)", fixed["extra"] * 1e6, "µs",
                 note=f"ipukit {fixed['ipukit'] * 1e6:.0f} µs vs plain {fixed['plain'] * 1e6:.0f} µs"
                 f"; without recording {fixed['ipukit_norec'] * 1e6:.0f} µs")]
@@ -75,10 +79,19 @@ def _tutorial_overhead(s: Sizes):
     one = _pair({"ipukit": lambda: one_model(x1, y1), "plain": lambda: plain(x1, y1)},
                 "ipukit", "plain", s.rounds, s.steps_per_round)
     one["host"] = host_seconds(one_model.getTimeline())
+    one["undo_copy"] = _undo_copy_seconds(plain, s.rounds * s.steps_per_round)
     ten = _pair({"ipukit": lambda: ten_model(x, y),
                  "plain": lambda: [plain(a, b) for a, b in chunks]},
                 "ipukit", "plain", s.rounds, max(1, s.steps_per_round // 5))
     return one, ten
+
+
+def _undo_copy_seconds(plain: PlainStep, reps: int) -> float:
+    """What making a call undoable costs: ipukit's snapshot of the same net and AdamW state."""
+    from ipukit.update import StateSnapshot
+
+    snap = StateSnapshot()
+    return median(timed(lambda: snap.capture(plain.net, plain.optimizer, True), max(5, reps)))
 
 
 def _fixed_overhead(s: Sizes) -> dict:

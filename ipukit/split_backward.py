@@ -120,6 +120,7 @@ class SplitBackwardActions:
             outs = out if stage.tuple_output else (out,)
         seeds, grads = self._seeds(a, replica, outs)
         now = self._clock(a.stage)
+        self.gate.enter()
         ready = now()
         diff_inputs = [(pos, v) for pos, v in enumerate(args)
                        if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -127,6 +128,7 @@ class SplitBackwardActions:
                                           self.plan.trainable[a.stage])
         stash[("W",) + key] = pending
         end = now()
+        self.gate.leave()
         self._send_input_grads(a, replica, diff_inputs, dinputs)
         return ready, end
 
@@ -134,8 +136,11 @@ class SplitBackwardActions:
         """The weight-gradient half (``W``): from what ``I`` kept, into the accumulators."""
         pending = stash.pop(("W", a.stage, a.iteration, a.micro_batch))
         now = self._clock(a.stage)
+        self.gate.enter()
         ready = now()
         params = self.plan.trainable[a.stage]
         self.accumulate(a, replica, params, backward_weight(pending, params))
-        return ready, now()
+        end = now()
+        self.gate.leave()
+        return ready, end
 
