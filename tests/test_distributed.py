@@ -414,6 +414,74 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
         ensure_process_group(o)
 
 
+def recorder_on(device, monkeypatch, record=True):
+    """A process's span recorder (runtime._Recorder) built without a process group: its
+    barrier is skipped; it records virtual IPU 1 of replica 0."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from ipukit.distributed.runtime import _Recorder
+
+    monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: None)
+    layout = SimpleNamespace(device=torch.device(device), ipu=1, replica=0)
+    return _Recorder(SimpleNamespace(record=record), layout)
+
+
+def test_recorder_on_cpu_records_host_times(monkeypatch):
+    """On CPU an action's span is the host clock around it: no GpuClock, nothing to resolve."""
+    import ipukit.distributed.runtime as runtime
+
+    monkeypatch.setattr(runtime, "GpuClock", None)  # building one would fail
+    rec = recorder_on("cpu", monkeypatch)
+    before = time.perf_counter()
+    start = rec.start()
+    rec.span(0, "B", 3, start)
+    after = time.perf_counter()
+    rec.resolve()
+    assert type(start) is float and rec.clock is None
+    (e,) = rec.events
+    assert (e.stage, e.kind, e.micro_batch, e.ipu, e.replica) == (0, "backward", 3, 1, 0)
+    assert before - rec.t0 <= e.start <= e.end <= after - rec.t0
+    off = recorder_on("cpu", monkeypatch, record=False)
+    off.span(0, "F", 0, off.start())
+    assert off.events == [] and off.clock is None
+
+
+class _StandInClock:
+    """GpuClock's interface without CUDA: marks are 1, 2, 3, ...; resolve writes them as times."""
+
+    def __init__(self):
+        self.marks, self.pending = 0, []
+
+    def mark(self, device):
+        self.marks += 1
+        return self.marks
+
+    def later(self, events, index, device, begin, end):
+        self.pending.append((events, index, begin, end))
+
+    def resolve(self, t0):
+        for events, index, begin, end in self.pending:
+            events[index] = events[index]._replace(start=float(begin), end=float(end))
+        self.pending.clear()
+
+
+def test_recorder_on_cuda_defers_spans_to_the_gpu_clock(monkeypatch):
+    """On CUDA (a stand-in clock here) a span is a placeholder between two marks, its times
+    written once after the call: no synchronisation per action (tests/test_gpu.py: real CUDA)."""
+    import ipukit.distributed.runtime as runtime
+
+    monkeypatch.setattr(runtime, "GpuClock", _StandInClock)
+    monkeypatch.setattr(torch.cuda, "synchronize", None)  # calling it would fail
+    rec = recorder_on("cuda:0", monkeypatch)
+    for m in range(3):
+        rec.span(0, "F", m, rec.start())
+    assert [(e.start, e.end) for e in rec.events] == [(0.0, 0.0)] * 3
+    rec.resolve()
+    assert [(e.micro_batch, e.start, e.end) for e in rec.events] == [(0, 1, 2), (1, 3, 4),
+                                                                       (2, 5, 6)]
+
+
 def test_what_processes_do_not_support_yet_is_a_clear_error():
     from helpers import StackNet, make_data
     from ipukit.distributed.runtime import _check_supported

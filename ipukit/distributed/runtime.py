@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 
 from .. import microbatch
 from ..enums import ReductionType
+from ..gpu_clock import GpuClock
 from ..timeline import Event, KIND_NAMES, Timeline
 from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure,
                     ensure_process_group, is_active)
@@ -183,7 +184,10 @@ class _Recorder:
     """This process's measured spans, against one clock shared by every process.
 
     The clock is set when the processes leave a barrier together; each call's
-    timeline starts at the earliest process's call.
+    timeline starts at the earliest process's call. On CUDA an action's start and
+    end are CUDA events (:class:`~ipukit.gpu_clock.GpuClock`), turned into host
+    times by :meth:`resolve` once per call: no synchronisation per action, which
+    would stop the host from queueing ahead and change what the timeline measures.
     """
 
     def __init__(self, c: Compiled, layout: _Layout) -> None:
@@ -196,22 +200,35 @@ class _Recorder:
         self.call_index = 0
         self.iteration = 0
         self.timeline: Optional[Timeline] = None   # the last call's
+        self.clock = GpuClock() if self.on and layout.device.type == "cuda" else None
         dist.barrier()
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def span(self, stage: int, kind: str, micro_batch: int, start: float) -> None:
+    def start(self) -> Any:
+        """An action's start: a CUDA event when recording on CUDA, else the host clock."""
+        return time.perf_counter() if self.clock is None else self.clock.mark(self.layout.device)
+
+    def span(self, stage: int, kind: str, micro_batch: int, start: Any) -> None:
+        """Record the action that began at ``start`` (from :meth:`start`) and ends now."""
         if not self.on:
             return
-        lay = self.layout
-        if lay.device.type == "cuda":
-            torch.cuda.synchronize(lay.device)
-        end = time.perf_counter()
+        lay, clock = self.layout, self.clock
+        if clock is None:
+            end = time.perf_counter()
+        else:  # a placeholder (the event appended next), its times written by resolve()
+            clock.later(self.events, len(self.events), lay.device, start, clock.mark(lay.device))
+            start = end = self.t0
         self.events.append(Event(stage, KIND_NAMES[kind], micro_batch, start - self.t0,
                                  end - self.t0, lay.ipu, lay.replica, self.iteration,
                                  self.call_index))
+
+    def resolve(self) -> None:
+        """The times of this call's CUDA-event spans (one synchronisation of the device)."""
+        if self.clock is not None:
+            self.clock.resolve(self.t0)
 
     def step(self, t_start: float, t_opt: float, t_end: float) -> None:
         """The optimiser step of this process's stages (and the gradient scaling before it)."""
@@ -269,7 +286,7 @@ class _Runtime:
         steps = self.M * c.schedule.iterations
         self.recorder = _Recorder(c, lay)
         self.ctx = CallContext(_returned_micro_batches(c.output_mode, c.output_period, steps),
-                               self.recorder.span)
+                               self.recorder.span, self.recorder.start)
         carry = carry_plan(part)
         n = part.num_stages
         stage_cls = timed_stage_class()
@@ -331,6 +348,7 @@ class _Runtime:
                 else:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      return_outputs=False)
+        rec.resolve()  # before the exchange: this process's spans as times
         # one exchange per call: the rows of this replica (for every process of it) and,
         # for process 0's timeline, every process's spans
         mine = (ctx.rows, rec.events if rec.on else None, t_call)

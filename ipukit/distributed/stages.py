@@ -20,7 +20,8 @@ import torch
 class CallContext:
     """What this process's stage bodies and stages read and write during a call."""
 
-    def __init__(self, returned: List[bool], span: Callable[[int, str, int, float], None]) -> None:
+    def __init__(self, returned: List[bool], span: Callable[[int, str, int, Any], None],
+                 start: Callable[[], Any] = time.perf_counter) -> None:
         self.inputs: List[list] = []        # this iteration's micro-batches (flat model inputs)
         self.rows: Dict[int, Dict[int, Any]] = {}   # micro-batch → {output index: value}
         self.iteration = 0
@@ -28,6 +29,7 @@ class CallContext:
         self.offset = 0                     # micro-batch index of this iteration's first
         self.returned = returned            # which micro-batches' outputs the output mode keeps
         self.span = span                    # records (stage, kind, micro-batch, start) → now
+        self.start = start                  # an action's start (host time, or a CUDA event)
 
 
 class StageBody(torch.nn.Module):
@@ -130,14 +132,14 @@ def timed_stage_class():
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
             ctx = self._ipukit_ctx
             ctx.micro_batch = fwd_chunk_id
-            start = time.perf_counter()
+            start = ctx.start()
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             ctx.span(self.stage_index, "F", fwd_chunk_id, start)
             return out
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                                last_backward=False):
-            start = time.perf_counter()
+            start = self._ipukit_ctx.start()
             out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                              last_backward=last_backward)
             self._ipukit_ctx.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
@@ -145,7 +147,7 @@ def timed_stage_class():
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-            start = time.perf_counter()
+            start = self._ipukit_ctx.start()
             out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             self._ipukit_ctx.span(self.stage_index, "W", bwd_chunk_id, start)
             return out
