@@ -22,7 +22,7 @@ from .schedule import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from .split_backward import SplitBackwardActions
 from .timeline import Event, KIND_NAMES
 from .update import LOW_PRECISION
-from .workers import Aborted, NoGate
+from .workers import Aborted
 
 
 class ActionRunner(SplitBackwardActions):
@@ -47,7 +47,6 @@ class ActionRunner(SplitBackwardActions):
         # (see ipukit.fused); schedules with split backwards keep their stages apart.
         self.fused = FusedBackward(self) if fused and plan.training else None
         self.clock = GpuClock()
-        self.gate = NoGate()  # the executor sets a CoreGate when workers outnumber cores
 
     def index(self, a: Action, replica: int) -> int:
         """The micro-batch's row in the call's combined batch."""
@@ -86,7 +85,6 @@ class ActionRunner(SplitBackwardActions):
                 v = ref.value
             args.append(v)
         on_gpu = device.type == "cuda" and plan.record
-        self.gate.enter()
         ready = self.clock.mark(device) if on_gpu else time.perf_counter()
         module = plan.module_for(a.stage, replica)
         if stage.recompute and plan.training:  # keep the inputs, rerun the forward in B/I
@@ -103,7 +101,6 @@ class ActionRunner(SplitBackwardActions):
             stash[(a.stage, a.iteration, a.micro_batch)] = (args, outs)
         # before publishing: a consumer never starts before this
         end = self.clock.mark(device) if on_gpu else time.perf_counter()
-        self.gate.leave()
         for consumer, pos, item in plan.consumers[a.stage]:
             self.exchange.put(("A", consumer, pos, a.iteration, a.micro_batch, replica), outs[item])
         return ready, end
@@ -153,7 +150,6 @@ class ActionRunner(SplitBackwardActions):
         args, outs = stash.pop((a.stage, a.iteration, a.micro_batch))
         seeds, grads = self._seeds(a, replica, outs)
         now = self._clock(a.stage)
-        self.gate.enter()
         ready = now()
         diff_inputs = [(pos, v) for pos, v in enumerate(args)
                        if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -165,7 +161,6 @@ class ActionRunner(SplitBackwardActions):
             result = [None] * len(targets)
         self.accumulate(a, replica, params, result[len(diff_inputs):])
         end = now()
-        self.gate.leave()
         self._send_input_grads(a, replica, diff_inputs, result)
         return ready, end
 
@@ -205,10 +200,8 @@ class ActionRunner(SplitBackwardActions):
                 else:
                     continue
             except (Aborted, KeyboardInterrupt):
-                self.gate.leave()
                 raise
             except BaseException as exc:
-                self.gate.leave()  # its core, if the action failed while holding one
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"(ipukit: raised by virtual IPU {ipus[a.stage]}, replica "
                                  f"{replica}, running {a} — {KIND_NAMES[kind]} of micro-batch "

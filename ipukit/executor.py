@@ -27,36 +27,20 @@ from .ops import running_on_ipu
 from .program import Program
 from .schedule import Schedule
 from .timeline import Event, Timeline
-from .workers import Aborted, CoreGate, Exchange, InterruptGuard, NoGate, Pool
+from .workers import Aborted, Exchange, InterruptGuard, Pool
 
 __all__ = ["Aborted", "CallRunner", "Exchange", "StateSnapshot", "default_threads"]
 
 StateSnapshot = update.StateSnapshot
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
-
-
 def default_threads(workers: int) -> int:
     """Intra-op threads per worker so that concurrent workers fill, not oversubscribe, the cores."""
-    return max(1, _cores() // max(1, workers))
-
-
-def core_gate(plan: Program, workers: int, threads_each: int, fused: bool):
-    """A :class:`~ipukit.workers.CoreGate` when CPU workers outnumber the cores they may use.
-
-    Each worker computes on ``threads_each`` intra-op threads, so the cores fit
-    ``cores // threads_each`` computing workers; more than that queue for a
-    core. Stages on a GPU keep their own device's pace (no gate), and so does
-    the single-thread backward of sharded runs (its passes are nested).
-    """
-    slots = max(1, _cores() // max(1, threads_each))
-    on_cpu = all(plan.device_of(s).type == "cpu" for s in range(plan.partition.num_stages))
-    return CoreGate(slots) if workers > slots and on_cpu and not fused else NoGate()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
 
 
 class _LocalExchange(dict):
@@ -190,8 +174,6 @@ class CallRunner:
         go = [threading.Event() for _ in range(iterations)]
         finished = threading.Semaphore(0)
         threads_each = self.plan.threads_per_worker or default_threads(self.workers)
-        self.actions.gate = core_gate(self.plan, self.workers, threads_each,
-                                      self.actions.fused is not None)
         exchange = self.exchange
         lanes = len(schedule.lanes)
         per_worker: List[List[Event]] = [[] for _ in range(self.workers)]

@@ -9,9 +9,6 @@ Three small pieces, each usable and tested on its own:
   :meth:`Pool.join` returns only when every thread has ended, even if Ctrl-C is
   pressed again while it waits: a call never returns with a worker still
   running (and still changing weights or buffers);
-* :class:`CoreGate` — at most as many actions compute at once as the CPU has
-  cores for them, so more virtual IPUs than cores queue for a core instead of
-  time-slicing one another (and the GIL) mid-operation;
 * :class:`InterruptGuard` — while a call runs on the main thread, Ctrl-C stops
   it at once, except inside :meth:`InterruptGuard.deferred` sections (an
   optimiser step, undoing a failed call), which it lets finish first.
@@ -83,50 +80,6 @@ class Exchange:
     @property
     def aborted(self) -> bool:
         return self._aborted
-
-
-class CoreGate:
-    """A counter of free cores: an action enters once its inputs arrived, leaves once computed.
-
-    With more workers than cores, letting the OS time-slice them stretches
-    every pass and preempts threads that hold the GIL, so the others stall on
-    it (a convoy): 4 one-thread workers on 2 cores ran 20–40 % slower than the
-    same actions queued for a core. A worker holds a core only between
-    "inputs received" and "outputs computed" — never while it waits for a
-    message — so a gate can never deadlock a schedule that runs without one.
-    Waiters enter in arrival order (earliest ready first: the rule
-    :func:`ipukit.schedule.walk` models with ``cores``).
-    """
-
-    def __init__(self, cores: int) -> None:
-        if cores < 1:
-            raise ValueError(f"CoreGate needs at least one core, got {cores}")
-        self.cores = cores
-        self._free = threading.Semaphore(cores)
-        self._held = threading.local()
-
-    def enter(self) -> None:
-        if not getattr(self._held, "on", False):
-            self._free.acquire()
-            self._held.on = True
-
-    def leave(self) -> None:
-        """Give the core back (a no-op when this thread holds none, e.g. after an error)."""
-        if getattr(self._held, "on", False):
-            self._held.on = False
-            self._free.release()
-
-
-class NoGate:
-    """Every worker has cores of its own: nothing to wait for."""
-
-    cores = None
-
-    def enter(self) -> None:
-        pass
-
-    def leave(self) -> None:
-        pass
 
 
 class Pool:

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import ipukit
-from helpers import StackNet, clone_model, ipukit_threads, make_data, max_weight_diff, reference_training
+from helpers import StackNet, clone_model, make_data, max_weight_diff, reference_training
 from ipukit.compare import compare_schedules
 from ipukit.schedule import PIPELINED_KINDS, ScheduleError, build, walk
-from ipukit.timeline import COMPUTE_KINDS
 from ipukit.schedules import (LOOPED, SPLIT_BACKWARD, V_SHAPED, lanes_for, minimum_micro_batches,
                               placement)
 
@@ -346,38 +345,4 @@ def test_memory_report_counts_activations_until_the_weight_gradient():
     _, _, tm = _train("ZBH1", [0, 1, 2, 3], 4, 1, 1, calls=1)
     report = memory_report(tm)
     assert [st["micro_batches_in_flight"] for st in report.stages] == [4, 4, 4, 4]
-    tm.destroy()
-
-
-# -- more virtual IPUs than cores: passes queue for a core ---------------------------------------
-
-GATED = [("1F1B", [0, 1, 2, 3], 8), ("Interleaved1F1B", [0, 1, 0, 1], 2), ("ZBH1", [0, 1, 2, 3], 4),
-         ("ZBV", [0, 1, 1, 0], 2), ("DualPipeV", [0, 1, 1, 0], 4)]
-
-
-def _most_at_once(tl) -> int:
-    marks = sorted([(e.start, 1) for e in tl.device_events() if e.kind in COMPUTE_KINDS]
-                   + [(e.end, -1) for e in tl.device_events() if e.kind in COMPUTE_KINDS])
-    running = most = 0
-    for _, delta in marks:
-        running += delta
-        most = max(most, running)
-    return most
-
-
-@pytest.mark.parametrize("cores", [1, 2])
-@pytest.mark.parametrize("schedule,ipus,ga", GATED, ids=[s for s, _, _ in GATED])
-def test_workers_beyond_the_cores_queue_for_one_and_train_the_same(monkeypatch, schedule, ipus,
-                                                                   ga, cores):
-    """With fewer cores than workers, at most ``cores`` passes compute at once (a pass holds
-    a core from "inputs received" to "outputs computed", the span the timeline records), no
-    schedule deadlocks, and the weights still equal the plain loop."""
-    import ipukit.executor
-
-    monkeypatch.setattr(ipukit.executor, "_cores", lambda: cores)
-    model, ref, tm = _train(schedule, ipus, ga, 1, 2 if cores == 1 else 1)
-    assert max_weight_diff(model, ref) < 1e-5
-    tl = tm.getTimeline()
-    assert _most_at_once(tl) <= cores
-    assert ipukit_threads() == []
     tm.destroy()

@@ -407,9 +407,9 @@ def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = N
     the default table. The optimiser step and the host's per-call work are
     measured too.
 
-    Measured spans stretch when passes share a core (other programs, more
-    intra-op threads than ``cores``, default the cores the executor shares:
-    the process's CPU affinity); the costs are each pass's share of a core over its span
+    Measured spans stretch when more workers run than the machine has cores
+    (``cores``, default the cores the executor shares: the process's CPU
+    affinity); the costs are each pass's share of a core over its span
     (:func:`ipukit.simulate.uncontended_costs`), what the pass costs alone,
     so that a model with one core per virtual IPU (an IPU's view) does not
     inherit the contention.
