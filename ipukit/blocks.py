@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch.distributed.pipelining import pipe_split
@@ -212,6 +212,16 @@ def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None):
         return wrapper
 
     return decorator
+
+
+def begin_blocks(module: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optional[str], Optional[int]]]:
+    """ipukit: every ``BeginBlock`` annotation in ``module``, as (sub-module, user_id, ipu_id).
+
+    A block's ``user_id`` is ``None`` until the module first runs inside a
+    recording (PopTorch numbers unnamed blocks in the order they start).
+    """
+    return [(m, h.user_id, h.ipu_id) for m in module.modules()
+            for h in m._forward_pre_hooks.values() if isinstance(h, _BlockHook)]
 
 
 def removeBlocks(module: torch.nn.Module) -> torch.nn.Module:

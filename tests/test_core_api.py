@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import ipukit
 from helpers import StackNet, clone_model, make_data, max_weight_diff
+from ipukit.blocks import begin_blocks
 
 
 # -- Options ----------------------------------------------------------------------------------
@@ -103,8 +104,11 @@ def test_begin_block_block_function_and_start():
     assert torch.allclose(out, model(x), atol=1e-6)
     with pytest.raises(ipukit.Error, match="already been assigned"):
         ipukit.BeginBlock(model.a)
+    assert [(m, u, i) for m, u, i in begin_blocks(model)] == [(model.a, "A", 0)]
     ipukit.removeBlocks(model)
+    assert begin_blocks(model) == []
     ipukit.BeginBlock(model.a, "A2", ipu_id=0)
+    assert begin_blocks(model) == [(model.a, "A2", 0)]
 
 
 def test_auto_ids_and_auto_increment():

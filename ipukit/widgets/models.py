@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..blocks import _BlockHook
+from ..blocks import begin_blocks
 from ..errors import OptionsError
 from ..ipu_config import IPUConfig
 
@@ -120,12 +120,8 @@ def ipu_config_for(layers_per_ipu: Sequence[int], **attributes) -> IPUConfig:
 
 def annotated_ipus(network: torch.nn.Module) -> Dict[str, int]:
     """``{block: ipu_id}`` of every ``BeginBlock(module, name, ipu_id=...)`` in ``network``."""
-    out: Dict[str, int] = {}
-    for module in network.modules():
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, _BlockHook) and hook.user_id is not None:
-                out[str(hook.user_id)] = hook.ipu_id
-    return out
+    return {str(user_id): ipu_id for _, user_id, ipu_id in begin_blocks(network)
+            if user_id is not None}
 
 
 @functools.lru_cache(maxsize=256)
