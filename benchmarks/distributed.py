@@ -51,6 +51,8 @@ def distributed(s: Sizes) -> dict:
     # throughput ratio = inverse time ratio
     vs_torch, noise_torch = paired_ratio(t["torch_handwritten"], t["ipukit_processes"], per)
     vs_threads, noise_threads = paired_ratio(t["ipukit_threads"], t["ipukit_processes"], per)
+    untimed, noise_untimed = paired_ratio(t["torch_handwritten"], t["ipukit_processes_untimed"],
+                                          per)
     samples = d["samples"]
     rate = {k: samples / min(v) for k, v in t.items()}
     d["samples_per_second_best"] = rate
@@ -60,6 +62,9 @@ def distributed(s: Sizes) -> dict:
             verdict(vs_torch, noise_torch, 0.97, below=False),
             f"{rate['ipukit_processes']:.0f} vs {rate['torch_handwritten']:.0f} samples/s "
             f"(best calls); noise ±{noise_torch:.3f}; same 2 gloo processes, interleaved"),
+        row("distributed", "the same, timeline off: ipukit ÷ hand-written", untimed, "×",
+            note=f"{rate['ipukit_processes_untimed']:.0f} samples/s; noise ±{noise_untimed:.3f}; "
+            "recordTimeline(False): no spans recorded or gathered to process 0"),
         row("distributed", "2 balanced stages: processes ÷ threads (throughput)", vs_threads,
             "×", None, None,
             f"processes {rate['ipukit_processes']:.0f} vs threads {rate['ipukit_threads']:.0f} "

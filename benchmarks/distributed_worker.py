@@ -5,6 +5,8 @@
 * ``torch_handwritten`` — the same stages hand-written with
   torch.distributed.pipelining: a manual ``PipelineStage`` per process,
   ``Schedule1F1B`` (the same order of forwards and backwards), SGD;
+* ``ipukit_processes_untimed`` — the first, with ``recordTimeline(False)``: no
+  spans recorded or gathered to process 0 (what the timeline costs);
 * ``ipukit_threads`` — the same ipukit model on threads in process 0
   (``Options.Distributed.disable()``) while process 1 waits in a barrier.
 
@@ -25,9 +27,9 @@ import ipukit.distributed as ipd
 from benchmarks.models import BalancedNet, balanced_data, balanced_sequential
 
 
-def ipukit_model(cfg, distributed):
+def ipukit_model(cfg, distributed, record=True):
     net = BalancedNet(balanced_sequential(2, cfg["width"], cfg["layers"]))
-    opts = ipukit.Options().pipelineSchedule("1F1B")
+    opts = ipukit.Options().pipelineSchedule("1F1B").recordTimeline(record)
     opts.Training.gradientAccumulation(cfg["micro_batches"])
     if not distributed:
         opts.Distributed.disable()
@@ -54,11 +56,15 @@ def main(cfg_path, out_path):
     dist.init_process_group("gloo")  # the hand-written pipeline needs it before ipukit's first call
     x, y = balanced_data(cfg["width"], cfg["micro_batch"] * cfg["micro_batches"])
     procs = ipukit_model(cfg, True)
+    untimed = ipukit_model(cfg, True, record=False)
     schedule, optimizer = handwritten(cfg, rank)
     threads = ipukit_model(cfg, False) if rank == 0 else None
 
     def run_processes():
         procs(x, y)
+
+    def run_untimed():
+        untimed(x, y)
 
     def run_handwritten():
         optimizer.zero_grad(set_to_none=True)
@@ -73,7 +79,7 @@ def main(cfg_path, out_path):
             threads(x, y)
 
     variants = {"ipukit_processes": run_processes, "torch_handwritten": run_handwritten,
-                "ipukit_threads": run_threads}
+                "ipukit_processes_untimed": run_untimed, "ipukit_threads": run_threads}
     times = {k: [] for k in variants}
     for fn in variants.values():  # warm up (compile, first-call set-up)
         for _ in range(2):

@@ -47,7 +47,7 @@ from ipukit.simulate import available_cores, model_like, uncontended_costs  # no
 from .models import balanced_data, stage_layers  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FULL = {"width": 512, "layers": 2, "micro_batch": 64, "micro_batches": 8, "calls": 6}
+FULL = {"width": 512, "layers": 2, "micro_batch": 64, "micro_batches": 8, "calls": 12}
 SMOKE = {"width": 32, "layers": 1, "micro_batch": 8, "micro_batches": 8, "calls": 2}
 
 
