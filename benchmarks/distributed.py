@@ -22,8 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def launch(s: Sizes) -> dict:
     cfg = {"width": s.width, "layers": s.layers_per_stage, "micro_batch": s.micro_batch,
-           "micro_batches": s.micro_batches, "rounds": max(4, s.rounds // 2),
-           "per_round": max(2, s.steps_per_round // 4)}
+           "micro_batches": s.micro_batches, "rounds": max(4, s.rounds),
+           "per_round": max(2, s.steps_per_round // 5)}
     with tempfile.TemporaryDirectory(prefix="ipukit-bench-") as tmp:
         cfg_path, out_path = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "out.json")
         with open(cfg_path, "w") as f:

@@ -208,6 +208,36 @@ def inference_pair(replicas=1):
                            maxdiff(do[1], to[1].reshape(-1, replicas)[:, replica]))}
 
 
+class TwoOutputsNet(SkipNet):
+    """Stage 0's hidden state is a model output too: rows come from both processes."""
+
+    def forward(self, x, labels):
+        with poptorch.Block("b0", ipu_id=0):
+            h0 = torch.tanh(self.inp(x))
+        with poptorch.Block("b1", ipu_id=1):
+            out = self.head(torch.tanh(self.mid[0](h0)) + h0)
+            loss = torch.nn.functional.cross_entropy(out, labels)
+        return h0, out, loss
+
+
+def two_producers():
+    """Outputs of both stages (each process holds some rows), mode All, over three calls."""
+    torch.manual_seed(3)
+    net = TwoOutputsNet(2)
+    ref = copy.deepcopy(net)
+    d = poptorch.trainingModel(net, options(poptorch.OutputMode.All),
+                               optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    t = poptorch.trainingModel(ref, options(poptorch.OutputMode.All, False),
+                               optimizer=torch.optim.SGD(ref.parameters(), lr=0.1))
+    diffs = []
+    for x, y in data(3, 1):
+        do, to = d(x, y), t(x, y)
+        diffs.append(max(maxdiff(a, b) for a, b in zip(do, to)))
+        shapes = [list(v.shape) for v in do], [list(v.shape) for v in to]
+    d.destroy(), t.destroy()
+    return {"outputs": max(diffs), "shapes": shapes}
+
+
 def _plain(replicas):
     p = poptorch.Options().deviceIterations(4).replicationFactor(replicas)
     p.Distributed.disable()
@@ -277,6 +307,7 @@ def main():
             results[name] = train_pair(All, schedule=schedule, stages=len(placement),
                                        placement=placement, plain=True)
         results["inference"] = inference_pair()
+        results["two_producers"] = two_producers()
         results["wrong_count"] = expect_error(wrong_count)
         results["mismatch"] = expect_error(mismatch)
         results["fails_next"] = True

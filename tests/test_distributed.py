@@ -158,6 +158,15 @@ def test_inference_matches_threads(pp2, dp2pp2):
             assert r["inference"]["outputs"] == 0.0
 
 
+def test_outputs_of_both_stages_reach_both_processes(pp2):
+    """A model output from each stage: each process returns all of them (the end-of-call
+    exchange, ipukit/distributed/exchange.py), equal to threads call after call."""
+    for r in pp2.values():
+        mine, threads = r["two_producers"]["shapes"]
+        assert r["two_producers"]["outputs"] == 0.0 and mine == threads
+        assert mine == [[16, 8], [16, 3], [8]]  # DI 2 × GA 4 micro-batches of 2; a loss each
+
+
 def test_gathered_timeline_has_a_track_per_replica_and_ipu(pp2, dp2pp2):
     for results, tracks in ((pp2, ["0/0", "0/1"]), (dp2pp2, ["0/0", "0/1", "1/0", "1/1"])):
         r = results[0]["all"]

@@ -43,6 +43,7 @@ from .. import microbatch
 from ..enums import ReductionType
 from ..gpu_clock import GpuClock
 from ..timeline import Event, KIND_NAMES, Timeline
+from .exchange import RowExchange, SpanGather
 from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure,
                     ensure_process_group, is_active)
 from .replicas import ALL_REDUCE, DDP, gradient_scale, gradient_sync, sum_over_replicas, \
@@ -168,8 +169,8 @@ class _Layout:
         self.rank = dist.get_rank()
         self.pp = len(ipus)
         self.dp = c.batching.replicas
-        self.replica, pp_rank = divmod(self.rank, self.pp)
-        self.ipu = ipus[pp_rank]
+        self.replica, self.pp_rank = divmod(self.rank, self.pp)
+        self.ipu = ipus[self.pp_rank]
         self.device = _device_for(c.options, self.ipu)
         mesh = init_device_mesh("cuda" if self.device.type == "cuda" else "cpu",
                                 (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
@@ -243,12 +244,12 @@ class _Recorder:
                                      lay.replica, self.iteration, self.call_index))
 
     def finish(self, parts: list, flat: Sequence) -> None:
-        """The call's :class:`Timeline` from ``parts`` ((rows, events, call start) per process:
+        """The call's :class:`Timeline` from ``parts`` ((events, call start) per process:
         every process's on process 0, this one's elsewhere)."""
         c, lay = self.compiled, self.layout
-        start = min(p[2] for p in parts)
+        start = min(p[1] for p in parts)
         events = [e._replace(start=e.start - start, end=e.end - start)
-                  for p in parts for e in p[1]]
+                  for p in parts for e in p[0]]
         events.sort(key=lambda e: (e.start, e.replica, e.ipu))
         samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
                        0)
@@ -307,6 +308,11 @@ class _Runtime:
             loss = output if output.dim() == 0 else output.sum()
             return loss * scaling if scaling != 1.0 else loss
 
+        producers = sorted({lay.stage_rank[s] for s in range(n) if c.host_outputs[s]})
+        self.exchange = RowExchange(producers, lay.pp_group, lay.pp_rank)
+        # at most: every action of an iteration, a step per stage and the host's span, per iteration
+        per_iteration = sum(len(lane) for lane in lay.lanes) + n + 1
+        self.spans = SpanGather(per_iteration * c.schedule.iterations, lay.world, lay.rank)
         self.runner = schedule_runner(c.schedule, c.training, self.stages, lay.stage_rank,
                                       lay.lanes, loss_fn)
         self._target = torch.zeros(1, device=self.device)  # torch wants a target; the loss is the model's
@@ -349,20 +355,10 @@ class _Runtime:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      return_outputs=False)
         rec.resolve()  # before the exchange: this process's spans as times
-        # one exchange per call: the rows of this replica (for every process of it) and,
-        # for process 0's timeline, every process's spans
-        mine = (ctx.rows, rec.events if rec.on else None, t_call)
-        everyone = [mine]
-        if lay.world > 1:
-            everyone = [None] * lay.world
-            dist.all_gather_object(everyone, mine)
-        rows: Dict[int, Dict[int, Any]] = {}
-        for r in range(lay.replica * lay.pp, (lay.replica + 1) * lay.pp):
-            for k, row in everyone[r][0].items():
-                rows.setdefault(k, {}).update(row)
+        rows = self.exchange(ctx.rows)  # every process of the replica: the replica's rows
         result = _call_outputs(c, rows, micro, ctx.returned, local)
-        if rec.on:
-            rec.finish(everyone if lay.rank == 0 else [mine], flat)
+        if rec.on:  # process 0's timeline: every process's spans
+            rec.finish(self.spans(rec.events, t_call), flat)
         rec.call_index += 1
         return result
 
