@@ -286,9 +286,10 @@ MODERN = {"interleaved-1f1b": ("Interleaved1F1B", [0, 1, 0, 1]),
 class FailingSGD(torch.optim.SGD):
     def step(self, closure=None):
         self.count = getattr(self, "count", 0) + 1
-        if RANK == 1 and self.count == 3:
+        out = super().step(closure)
+        if RANK == 1 and self.count == 3:  # after updating: the call must still be undone
             raise ValueError("boom from the optimiser on rank 1")
-        return super().step(closure)
+        return out
 
 
 def main():
@@ -327,16 +328,26 @@ def main():
         json.dump(results, f)
     if scenario == "pp2":  # last: rank 1 raises in its third optimiser step; the run must end
         net = SkipNet(2)
-        m = ipd.trainingModel(net, options(Final, di=1),
-                              optimizer=FailingSGD(net.parameters(), lr=0.1))
+        opt = FailingSGD(net.parameters(), lr=0.1, momentum=0.9)
+        m = ipd.trainingModel(net, options(Final, di=1), optimizer=opt)
         try:
             for x, y in data(5, 1, di=1):
+                before = [t.clone() for t in state_of(net, opt)]
                 m(x, y)
-        except DistributedError as exc:  # the other process: names the one that failed
-            with open(os.path.join(out, f"rank{RANK}-stopped.txt"), "w") as f:
-                f.write(str(exc))
+        except BaseException as exc:  # this process's stages: as they were before the call
+            after = state_of(net, opt)
+            restored = len(after) == len(before) and all(torch.equal(a, b)
+                                                          for a, b in zip(after, before))
+            with open(os.path.join(out, f"rank{RANK}-stopped.json"), "w") as f:
+                json.dump({"error": f"{type(exc).__name__}: {exc}", "restored": restored,
+                           "momentum": len(opt.state), "calls": opt.count}, f)
             raise
 
+
+def state_of(net, opt):
+    """Weights, buffers and the optimiser's momentum (of the parameters this process trains)."""
+    return (list(net.parameters()) + list(net.buffers())
+            + [st["momentum_buffer"] for st in opt.state.values()])
 
 if __name__ == "__main__":
     main()

@@ -194,9 +194,15 @@ def test_a_raising_process_ends_the_run(pp2_launch):
     assert "ipukit-run: process 1 failed first" in proc.stderr
     assert "boom from the optimiser on rank 1" in proc.stderr
     assert seconds < 230  # ended by the failure, not by the test's timeout
-    note = proc.out_dir / "rank0-stopped.txt"  # unless torchrun stopped rank 0 first
-    if note.exists():
-        assert "process 1 failed (ValueError: boom" in note.read_text()
+    # the failed call is undone: rank 1 (raised in its step), and rank 0 (stopped by the
+    # failure after its own step) unless torchrun ended it first
+    stopped = {r: json.loads((proc.out_dir / f"rank{r}-stopped.json").read_text())
+               for r in (0, 1) if (proc.out_dir / f"rank{r}-stopped.json").exists()}
+    assert 1 in stopped and stopped[1]["error"] == "ValueError: boom from the optimiser on rank 1"
+    for r, note in stopped.items():
+        assert note["restored"] and note["momentum"] > 0, (r, note)
+    if 0 in stopped:
+        assert "process 1 failed (ValueError: boom" in stopped[0]["error"]
 
 
 # -- no launch needed -----------------------------------------------------------------------

@@ -193,11 +193,18 @@ def test_spans_gather_to_process_zero(monkeypatch):
     """Process 0 gets every process's (spans, call start); the others keep their own."""
     sent = {}
 
-    def gather(table, tables, dst):
-        assert dst == 0
-        if tables is not None:
-            tables[0].copy_(table)
-            tables[1].copy_(sent["table"])
+    class Work:
+        def __init__(self, table, tables):
+            self.table, self.tables = table, tables
+
+        def wait(self):  # the tables are written when the gather completes
+            if self.tables is not None:
+                self.tables[0].copy_(self.table)
+                self.tables[1].copy_(sent["table"])
+
+    def gather(table, tables, dst, async_op):
+        assert dst == 0 and async_op
+        return Work(table, tables)
 
     monkeypatch.setattr(dist, "gather", gather)
     theirs = [Event(1, "backward", 2, 0.5, 0.75, 1, 0, 0, 0)]

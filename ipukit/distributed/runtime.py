@@ -43,6 +43,7 @@ from .. import microbatch
 from ..enums import ReductionType
 from ..gpu_clock import GpuClock
 from ..timeline import Event, KIND_NAMES, Timeline
+from ..update import StateSnapshot
 from .exchange import RowExchange, SpanGather
 from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure,
                     ensure_process_group, is_active)
@@ -281,6 +282,9 @@ class _Runtime:
         self.params = [p for s in lay.mine for p in part.stages[s].parameters if p.requires_grad]
         _check_untied(part)
         self.buffers = [b for s in lay.mine for b in part.stages[s].module.buffers()]
+        # a failed or interrupted call leaves this process's stages as they were (as on threads)
+        self.own = torch.nn.ModuleList(part.stages[s].module for s in lay.mine)
+        self.snapshot = StateSnapshot()
         #: how the replicas combine gradients: DDP, ALL_REDUCE, or None (one replica)
         self.replica_sync = gradient_sync(c.schedule, lay.dp, c.training)
         self.M = c.schedule.micro_batches
@@ -323,7 +327,20 @@ class _Runtime:
         return self.recorder.timeline
 
     def run(self, flat: list) -> Any:
-        """One call: this replica's outputs, as one process would return them."""
+        """One call: this replica's outputs, as one process would return them.
+
+        If it fails (here, or on another process), or is interrupted, this process's
+        weights, buffers and optimiser state are restored to what they were before it.
+        """
+        c = self.compiled
+        snapshot = self.snapshot.capture(self.own, c.optimizer, c.training)
+        try:
+            return self._run(flat)
+        except BaseException:
+            snapshot.restore()
+            raise
+
+    def _run(self, flat: list) -> Any:
         import torch.distributed as dist
 
         c, lay, ctx, rec = self.compiled, self.layout, self.ctx, self.recorder
@@ -355,10 +372,12 @@ class _Runtime:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      return_outputs=False)
         rec.resolve()  # before the exchange: this process's spans as times
+        # process 0's timeline: every process's spans (posted first, gathered while the rows go)
+        spans = self.spans.start(rec.events, t_call) if rec.on else None
         rows = self.exchange(ctx.rows)  # every process of the replica: the replica's rows
         result = _call_outputs(c, rows, micro, ctx.returned, local)
-        if rec.on:  # process 0's timeline: every process's spans
-            rec.finish(self.spans(rec.events, t_call), flat)
+        if spans is not None:
+            rec.finish(spans(), flat)
         rec.call_index += 1
         return result
 
