@@ -9,6 +9,7 @@ PyTorch loop; ends with rank 1 raising), ``dp2pp2`` (4 processes).
 import copy
 import json
 import os
+import signal
 import sys
 import time
 
@@ -323,6 +324,19 @@ def main():
             results[name] = train_pair(All, replicas=2, schedule=schedule,
                                        stages=len(placement), placement=placement)
         results["inference"] = inference_pair(replicas=2)
+    elif scenario == "killed":  # rank 1 is killed (SIGKILL) in its second optimiser step
+        if RANK == 0:  # outlive torchrun's SIGTERM: see what this process makes of the loss
+            signal.signal(signal.SIGTERM, lambda *args: None)
+        net = SkipNet(2)
+        m = ipd.trainingModel(net, options(Final, di=1),
+                              optimizer=KilledSGD(net.parameters(), lr=0.1))
+        try:
+            for x, y in data(5, 1, di=1):
+                m(x, y)
+        except BaseException as exc:
+            with open(os.path.join(out, f"rank{RANK}-stopped.json"), "w") as f:
+                json.dump({"error": f"{type(exc).__name__}: {exc}", "at": time.time()}, f)
+            raise
     results["seconds"] = time.perf_counter() - t0
     with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:
         json.dump(results, f)
@@ -342,6 +356,16 @@ def main():
                 json.dump({"error": f"{type(exc).__name__}: {exc}", "restored": restored,
                            "momentum": len(opt.state), "calls": opt.count}, f)
             raise
+
+
+class KilledSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        self.count = getattr(self, "count", 0) + 1
+        if RANK == 1 and self.count == 2:
+            with open(os.path.join(os.environ["IPUKIT_TEST_OUT"], "killed-at.txt"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(closure)
 
 
 def state_of(net, opt):

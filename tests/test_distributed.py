@@ -205,6 +205,24 @@ def test_a_raising_process_ends_the_run(pp2_launch):
         assert "process 1 failed (ValueError: boom" in stopped[0]["error"]
 
 
+def test_a_killed_process_ends_the_run(tmp_path):
+    """Rank 1 is SIGKILLed inside a call (no error of its own to report): torchrun ends the run
+    within seconds, far inside the process group's 60 s timeout, and says which rank."""
+    proc, _, _ = launch(tmp_path, 2, "killed")
+    ended = time.time()
+    killed_at = float((proc.out_dir / "killed-at.txt").read_text())
+    assert proc.returncode != 0
+    assert ended - killed_at < 30, ended - killed_at
+    assert "Signal 9 (SIGKILL)" in proc.stderr
+    assert "no process reported an error from an ipukit call" in proc.stderr
+    # rank 0 (which ignores torchrun's SIGTERM here) names no culprit, and does not blame itself
+    note = json.loads((proc.out_dir / "rank0-stopped.json").read_text())
+    assert note["error"].startswith("DistributedError: ipukit: process 0 lost contact with the "
+                                    "other processes"), note
+    assert note["at"] - killed_at < 30
+    assert "failed first" not in proc.stderr
+
+
 # -- no launch needed -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [

@@ -135,6 +135,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             if first:
                 print(f"ipukit-run: process {first.split(':', 1)[0].split()[-1]} failed first "
                       f"({first})", file=sys.stderr)
+            elif code != 130:
+                print(f"ipukit-run: the run failed (exit code {code}) and no process reported "
+                      "an error from an ipukit call; torchrun's report above names the process "
+                      "that ended first (a killed one shows as 'Signal 9 (SIGKILL)')",
+                      file=sys.stderr)
     return code
 
 

@@ -499,11 +499,20 @@ def maybe_run(model, args: tuple, kwargs: dict):
     except BaseException as exc:
         if _is_comm_error(exc):
             cause = _peer_failure(started - 1.0)
-            if cause is not None and not cause.startswith(f"rank {opts.Distributed.processId}:"):
+            me = opts.Distributed.processId
+            if cause is None:  # nobody raised: a process ended without an error (killed?)
+                err = DistributedError(
+                    f"ipukit: process {me} lost contact with the other processes "
+                    f"({type(exc).__name__}: {_short(str(exc))}) and no process reported an "
+                    "error: one was probably killed (out of memory, a signal); torchrun's "
+                    "report names it.")
+                err._peer = True
+                raise err from exc
+            if not cause.startswith(f"rank {me}:"):
                 who, _, what = cause.partition(": ")
                 err = DistributedError(f"ipukit: {who.replace('rank', 'process')} failed "
-                                       f"({what}), so process {opts.Distributed.processId} "
-                                       "stopped too; see that process's error above.")
+                                       f"({what}), so process {me} stopped too; see that "
+                                       "process's error above.")
                 err._peer = True
                 raise err from exc
         rank = opts.Distributed.processId
