@@ -137,10 +137,14 @@ class StateSnapshot:
         used[key] = saved
         return saved
 
-    def capture(self, module: torch.nn.Module, optimizer, weights: bool) -> "StateSnapshot":
+    def capture(self, module: torch.nn.Module, optimizer, weights: bool,
+                buffers: bool = True) -> "StateSnapshot":
+        """Copy ``module``'s buffers (unless ``buffers`` is False) and, when ``weights``, its
+        parameters and ``optimizer``'s state."""
         used: Dict[tuple, torch.Tensor] = {}
         with torch.no_grad():
-            live = list(module.buffers()) + (list(module.parameters()) if weights else [])
+            live = (list(module.buffers()) if buffers else []) + \
+                (list(module.parameters()) if weights else [])
             self.tensors = [(t, self._copy(("t", id(t)), t, used)) for t in live]
             self.optimizer = optimizer
             self.opt_state = None

@@ -526,3 +526,71 @@ def test_what_processes_do_not_support_yet_is_a_clear_error():
     model.compile(*make_data(6))
     with pytest.raises(DistributedError, match="anchored tensors are not supported"):
         _check_supported(model)
+
+
+def test_weights_are_copied_where_the_first_stage_would_wait_for_a_peer():
+    """The undo copy of the weights is taken after the first stage's leading forwards (its
+    process then waits for the next stage); a process that waits from the start copies at once."""
+    from ipukit.distributed.runtime import idle_point
+    from ipukit.distributed.stages import process_lanes
+    from ipukit.schedule import build
+    from ipukit.schedules import placement
+
+    want = {("1f1b", 2, 2): [(0, 1), None], ("gpipe", 2, 2): [(0, 7), None],
+            ("1f1b", 4, 4): [(0, 3), None, None, None],
+            ("interleaved-1f1b", 4, 2): [(0, 1), None], ("zbv", 4, 2): [(0, 2), None]}
+    for (kind, n, p), points in want.items():
+        schedule = build(kind, n, 8, stage_ipus=placement(kind, n, p))
+        lanes = process_lanes(schedule, sorted(set(schedule.stage_ipus)))
+        assert [idle_point(lane) for lane in lanes] == points, kind
+
+
+def test_a_failed_call_is_undone_whether_the_weights_were_copied_yet_or_not():
+    """The process runtime's undo with the weights' copy deferred to the idle point: a call
+    that fails before the copy leaves the weights of the last call that succeeded (not the
+    copy of an earlier call), one that fails after its step leaves those before it."""
+    from types import SimpleNamespace
+
+    from ipukit.distributed.runtime import _Runtime
+    from ipukit.update import StateSnapshot
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    rt = object.__new__(_Runtime)
+    rt.compiled = SimpleNamespace(training=True, optimizer=opt)
+    rt.own, rt.snapshot, rt.weights = net, StateSnapshot(), StateSnapshot()
+    rt.weights_due = rt.weights_taken = False
+    rt.ctx = SimpleNamespace(idle_after=(0, 0))
+    x = torch.randn(4, 3)
+
+    def call(fail_at):  # a stand-in for one call: forward (buffers move), copy, step
+        def body(flat):
+            opt.zero_grad()
+            net(x).sum().backward()
+            if fail_at == "forward":
+                raise RuntimeError("before the copy")
+            rt._copy_weights()
+            opt.step()
+            if fail_at == "step":
+                raise RuntimeError("after the step")
+        rt._run = body
+        rt.run([])
+
+    def state():
+        return ({k: v.clone() for k, v in net.state_dict().items()},
+                {id(p): s["momentum_buffer"].clone() for p, s in opt.state.items()})
+
+    def assert_state(expected):
+        now = state()
+        for a, b in zip(expected, now):
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+    call(None)
+    call(None)
+    after_two = state()
+    for fail_at in ("forward", "step", "forward"):
+        with pytest.raises(RuntimeError):
+            call(fail_at)
+        assert_state(after_two)

@@ -67,13 +67,15 @@ class StandInGroup:
         self.barrier.wait()
         return got
 
-    def broadcast(self, tensor, group=None, group_src=None):
+    def broadcast(self, tensor, group=None, group_src=None, async_op=False):
+        # done at once (in posting order on every thread), so an async post is already done
         got = self._share(tensor.clone(), group_src)
         if self.local.rank == group_src:
             self.calls.append(("raw", group_src, tensor.numel()))
         else:
             assert got.shape == tensor.shape, "receivers must allocate the sender's size"
             tensor.copy_(got)
+        return _Done() if async_op else None
 
     def broadcast_object_list(self, objects, group=None, group_src=None):
         got = self._share(list(objects), group_src)
@@ -81,6 +83,11 @@ class StandInGroup:
             self.calls.append(("pickled", group_src))
         else:
             objects[:] = [None if o is None else _copy(o) for o in got]
+
+
+class _Done:
+    def wait(self):
+        return True
 
 
 def _copy(rows):

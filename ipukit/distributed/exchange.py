@@ -19,7 +19,7 @@ call's timeline, in one gather.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,28 +99,54 @@ class RowExchange:
         self.layouts: Dict[int, Layout] = {}   # producer → its rows' last layout (every process)
 
     def __call__(self, rows: Rows) -> Rows:
-        if self.size == 1:
-            return rows
-        merged: Rows = {}
-        for p in self.producers:
-            for k, row in self._from(p, rows if p == self.me else None).items():
-                merged.setdefault(k, {}).update(row)
-        return merged
+        return self.start(rows)()
 
-    def _from(self, producer: int, rows: Optional[Rows]) -> Rows:
+    def start(self, rows: Rows) -> Callable[[], Rows]:
+        """Post the exchange of ``rows`` (this process's; ignored unless it produces) and
+        return what waits for it and gives the replica's rows.
+
+        The raw-byte broadcasts go asynchronously, so the caller can step its optimiser
+        while they travel; a pickled one (first call, changed layout) runs at once, or in
+        the wait when the flag says the layout changed. Every process takes the same path.
+        """
+        if self.size == 1:
+            return lambda: rows
+        posted = [(p, self._post(p, rows if p == self.me else None)) for p in self.producers]
+
+        def wait() -> Rows:
+            merged: Rows = {}
+            for p, got in posted:
+                for k, row in got().items():
+                    merged.setdefault(k, {}).update(row)
+            return merged
+
+        return wait
+
+    def _post(self, producer: int, rows: Optional[Rows]) -> Callable[[], Rows]:
         import torch.distributed as dist
 
         known = self.layouts.get(producer)
-        if known is not None:  # every process knows a layout: raw bytes, unless it changed
-            nbytes = _nbytes(known)
-            if rows is not None:
-                flag = _SAME if layout_of(rows) == known else _CHANGED
-                buffer = pack(rows, flag, nbytes)
-            else:
-                buffer = torch.empty(8 + nbytes, dtype=torch.uint8)
-            dist.broadcast(buffer, group=self.group, group_src=producer)
+        if known is None:  # nobody knows the layout yet: pickled, now
+            got = self._pickled(producer, rows)
+            return lambda: got
+        nbytes = _nbytes(known)  # every process knows a layout: raw bytes, unless it changed
+        if rows is not None:
+            buffer = pack(rows, _SAME if layout_of(rows) == known else _CHANGED, nbytes)
+        else:
+            buffer = torch.empty(8 + nbytes, dtype=torch.uint8)
+        work = dist.broadcast(buffer, group=self.group, group_src=producer, async_op=True)
+
+        def got() -> Rows:
+            work.wait()
             if flag_of(buffer) == _SAME:
                 return rows if rows is not None else unpack(buffer, known)
+            return self._pickled(producer, rows)
+
+        return got
+
+    def _pickled(self, producer: int, rows: Optional[Rows]) -> Rows:
+        import torch.distributed as dist
+
         box = [rows]
         dist.broadcast_object_list(box, group=self.group, group_src=producer)
         self.layouts[producer] = layout_of(box[0])

@@ -284,7 +284,9 @@ class _Runtime:
         self.buffers = [b for s in lay.mine for b in part.stages[s].module.buffers()]
         # a failed or interrupted call leaves this process's stages as they were (as on threads)
         self.own = torch.nn.ModuleList(part.stages[s].module for s in lay.mine)
-        self.snapshot = StateSnapshot()
+        self.snapshot = StateSnapshot()          # buffers (and weights, unless copied later)
+        self.weights = StateSnapshot()           # weights and optimiser state, copied later
+        self.weights_due = self.weights_taken = False
         #: how the replicas combine gradients: DDP, ALL_REDUCE, or None (one replica)
         self.replica_sync = gradient_sync(c.schedule, lay.dp, c.training)
         self.M = c.schedule.micro_batches
@@ -319,6 +321,9 @@ class _Runtime:
         self.spans = SpanGather(per_iteration * c.schedule.iterations, lay.world, lay.rank)
         self.runner = schedule_runner(c.schedule, c.training, self.stages, lay.stage_rank,
                                       lay.lanes, loss_fn)
+        if c.training:
+            self.ctx.idle_after = idle_point(lay.lanes[lay.pp_rank])
+            self.ctx.idle = self._copy_weights
         self._target = torch.zeros(1, device=self.device)  # torch wants a target; the loss is the model's
 
     @property
@@ -333,12 +338,25 @@ class _Runtime:
         weights, buffers and optimiser state are restored to what they were before it.
         """
         c = self.compiled
-        snapshot = self.snapshot.capture(self.own, c.optimizer, c.training)
+        # weights change only at the optimiser step: where this process soon waits for a
+        # peer anyway, they are copied then (see idle_point), else now with the buffers
+        later = c.training and self.ctx.idle_after is not None
+        snapshot = self.snapshot.capture(self.own, c.optimizer, c.training and not later)
+        self.weights_due, self.weights_taken = later, False
         try:
             return self._run(flat)
         except BaseException:
+            if self.weights_taken:
+                self.weights.restore()
             snapshot.restore()
             raise
+
+    def _copy_weights(self) -> None:
+        """This call's copy of the weights and optimiser state, if still due."""
+        if self.weights_due:
+            self.weights_due = False
+            self.weights.capture(self.own, self.compiled.optimizer, True, buffers=False)
+            self.weights_taken = True
 
     def _run(self, flat: list) -> Any:
         import torch.distributed as dist
@@ -355,8 +373,9 @@ class _Runtime:
         rec.events = []
         ctx.rows = {}
         M = self.M
+        last = c.schedule.iterations - 1
         with torch.enable_grad() if c.training else torch.no_grad():
-            for it in range(c.schedule.iterations):
+            for it in range(last + 1):
                 ctx.iteration = rec.iteration = it
                 ctx.offset = it * M
                 ctx.inputs = micro[it * M:(it + 1) * M]
@@ -365,16 +384,19 @@ class _Runtime:
                         p.grad = None
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      target_mbs=[self._target] * M, return_outputs=False)
-                    if self.replica_sync == ALL_REDUCE:
-                        sum_over_replicas(self.params, lay.dp_group)
-                    self._step()
                 else:
                     self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
                                      return_outputs=False)
-        rec.resolve()  # before the exchange: this process's spans as times
-        # process 0's timeline: every process's spans (posted first, gathered while the rows go)
+                if it == last:  # the replica's rows travel while the optimiser steps
+                    rows_of_replica = self.exchange.start(ctx.rows)
+                if c.training:
+                    if self.replica_sync == ALL_REDUCE:
+                        sum_over_replicas(self.params, lay.dp_group)
+                    self._step()
+        rec.resolve()  # this process's spans as times
+        # process 0's timeline: every process's spans, gathered while the rows arrive
         spans = self.spans.start(rec.events, t_call) if rec.on else None
-        rows = self.exchange(ctx.rows)  # every process of the replica: the replica's rows
+        rows = rows_of_replica()  # every process of the replica: the replica's rows
         result = _call_outputs(c, rows, micro, ctx.returned, local)
         if spans is not None:
             rec.finish(spans(), flat)
@@ -385,6 +407,7 @@ class _Runtime:
         """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights."""
         c = self.compiled
         t_start = time.perf_counter()
+        self._copy_weights()  # in case no forward named by idle_point ran
         scale = gradient_scale(c.reduction, self.M, self.layout.dp, self.replica_sync == DDP)
         scale /= self.loss_scaling
         if scale != 1.0:
@@ -397,6 +420,23 @@ class _Runtime:
         for p in self.params:
             p.grad = None
         self.recorder.step(t_start, t_opt, t_end)
+
+
+def idle_point(lane: Sequence) -> Optional[Tuple[int, int]]:
+    """(stage, micro-batch) of the forward after which this process first waits for a peer.
+
+    A process whose actions begin with forwards of stage 0 (which reads only model
+    inputs) runs them at once, then waits for the next stage's results (its first
+    backward, or a later stage's input): copying the weights there costs no time on
+    the pipeline's critical path, where copying them before the call delayed its
+    first forward. Any other process waits from the start (None: copy at once).
+    """
+    last = None
+    for a in lane:
+        if a.kind != "F" or a.stage != 0:
+            break
+        last = (a.stage, a.micro_batch)
+    return last
 
 
 def _call_outputs(c: Compiled, rows: Dict[int, Dict[int, Any]], micro: List[list],

@@ -16,6 +16,11 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from .flat import flat_stage
+
+#: run each stage as one flat graph (:mod:`ipukit.distributed.flat`); False: as traced (nested)
+FLAT_STAGES = True
+
 
 class CallContext:
     """What this process's stage bodies and stages read and write during a call."""
@@ -30,6 +35,14 @@ class CallContext:
         self.returned = returned            # which micro-batches' outputs the output mode keeps
         self.span = span                    # records (stage, kind, micro-batch, start) → now
         self.start = start                  # an action's start (host time, or a CUDA event)
+        #: (stage, micro-batch) of the first iteration's forward after which ``idle`` runs
+        self.idle_after: Any = None
+        self.idle: Callable[[], None] = lambda: None
+
+    def forwarded(self, stage: int, micro_batch: int) -> None:
+        """A forward ended: run ``idle`` if it was the one named by ``idle_after``."""
+        if self.idle_after == (stage, micro_batch) and self.iteration == 0:
+            self.idle()
 
 
 class StageBody(torch.nn.Module):
@@ -45,7 +58,7 @@ class StageBody(torch.nn.Module):
                  carried_out: List[Tuple[int, int]], device: torch.device) -> None:
         super().__init__()
         st = compiled.partition.stages[index]
-        self.inner = st.module
+        self.inner = flat_stage(st.module) if FLAT_STAGES else st.module
         self._ctx = ctx
         self._index = index
         self._args = st.args
@@ -135,6 +148,7 @@ def timed_stage_class():
             start = ctx.start()
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             ctx.span(self.stage_index, "F", fwd_chunk_id, start)
+            ctx.forwarded(self.stage_index, fwd_chunk_id)
             return out
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,

@@ -1,0 +1,95 @@
+"""A stage as one flat graph (ipukit/distributed/flat.py): the same ops on the same tensors.
+
+The process runtime runs each stage's traced module inlined into one
+GraphModule. These tests hold it to the nested module it was made from:
+the same outputs, the same gradients on the same parameter objects, the
+same in-place buffer updates; and where it cannot inline, the nested module.
+tests/test_distributed.py checks whole runs on processes against threads.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ipukit
+from ipukit.distributed.flat import flat_stage, nested_of
+
+
+class Net(nn.Module):
+    """Two Blocks: nested modules, a BatchNorm (buffers updated in place), a skip, the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.front = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.back = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x, labels):
+        with ipukit.Block("a", ipu_id=0):
+            h = self.front(x)
+        with ipukit.Block("b", ipu_id=1):
+            out = self.back(h) + h[:, :3]
+            loss = F.cross_entropy(out, labels)
+        return out, loss
+
+
+def stages_of(net):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    opts = ipukit.Options().recordTimeline(False)
+    opts.Training.gradientAccumulation(4)
+    model = ipukit.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    model(x, y)
+    return [st.module for st in model.program.partition.stages], x, y
+
+
+def test_a_flat_stage_computes_the_same_on_the_same_tensors():
+    torch.manual_seed(1)
+    net = Net()
+    nested, x, y = stages_of(net)
+    flat = [flat_stage(m) for m in nested]
+    for f, m in zip(flat, nested):
+        assert type(f).__name__ == "FlatStage" and nested_of(f) is m
+        # the very parameter and buffer objects, not copies
+        assert [id(p) for p in f.parameters()] == [id(p) for p in m.parameters()]
+        assert {id(b) for b in f.buffers()} == {id(b) for b in m.buffers()}
+        # one level: no nested modules left to call
+        assert not any(hasattr(sub, "graph") for sub in f.children())
+    bn = net.front[1]
+
+    def run(stages):
+        for p in net.parameters():
+            p.grad = None
+        before = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+        h = stages[0](x)
+        out, loss = stages[1](h, y)
+        loss.backward()
+        after = (bn.running_mean.clone(), bn.running_var.clone(),
+                 int(bn.num_batches_tracked) - before[2])
+        # put the buffers back: both variants start from the same state
+        bn.running_mean.copy_(before[0]), bn.running_var.copy_(before[1])
+        bn.num_batches_tracked.fill_(before[2])
+        return out.detach(), loss.detach(), [p.grad.clone() for p in net.parameters()], after
+
+    want, got = run(nested), run(flat)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2]))
+    assert torch.equal(want[3][0], got[3][0]) and torch.equal(want[3][1], got[3][1])
+    assert not torch.equal(want[3][0], bn.running_mean)  # the forward did move them
+    assert want[3][2] == got[3][2] == 1  # the in-place buffer updates ran once, in both
+
+
+def test_what_it_cannot_inline_stays_nested():
+    plain = nn.Linear(2, 2)
+    assert flat_stage(plain) is plain  # not a graph at all
+
+    class Leaf(nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))
+    gm.add_submodule("leaf", Leaf())  # a call to a module that is not a graph
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        leaf = gm.graph.call_module("leaf", (out.args[0],))
+    out.args = (leaf,)
+    gm.recompile()
+    assert flat_stage(gm) is gm
