@@ -33,13 +33,15 @@ class Sizes:
     recurrent_length: int        # pipeline wins: time steps per sequence
     recurrent_micro_batch: int   # pipeline wins: sequences per micro-batch
     recurrent_micro_batches: int  # pipeline wins: micro-batches per optimiser step
+    distributed_launches: int = 1  # stages as processes: launches, each building in another order
 
 
 FULL = Sizes(rounds=15, steps_per_round=20, width=512, layers_per_stage=2, micro_batch=64,
              micro_batches=16, stage_counts=(2, 4), pipeline_calls=8,
              device_iterations=(1, 10, 100), di_samples=20_000, di_rounds=3, tutorial_ga=10,
              simulate_micro_batches=1024, compile_reps=3, recurrent_hidden=96,
-             recurrent_length=48, recurrent_micro_batch=8, recurrent_micro_batches=32)
+             recurrent_length=48, recurrent_micro_batch=8, recurrent_micro_batches=32,
+             distributed_launches=4)
 
 SMOKE = Sizes(rounds=2, steps_per_round=2, width=32, layers_per_stage=1, micro_batch=8,
               micro_batches=4, stage_counts=(2,), pipeline_calls=2,
@@ -108,6 +110,30 @@ def paired_ratio(a: List[float], b: List[float], per_round: int) -> Tuple[float,
         return median(ratios), float("nan")
     q = statistics.quantiles(ratios, n=4)
     return median(ratios), (q[2] - q[0]) / 2
+
+
+def median_ratio(a: List[float], b: List[float], seed: int = 0) -> Tuple[float, float]:
+    """(ratio, noise) of variant ``a`` ÷ variant ``b``: the ratio of their median calls.
+
+    For variants interleaved one call at a time, whose single calls vary far
+    more than the difference sought (stages as processes on a shared machine:
+    ±30 % call to call), the median of many calls is steadier than any one
+    round's fastest. The noise is half the interquartile range of the same
+    ratio over bootstrap resamples of the calls (fixed ``seed``: reproducible).
+    """
+    import random
+
+    rng = random.Random(seed)
+    ratio = statistics.median(a) / statistics.median(b)
+    if min(len(a), len(b)) < 4:
+        return ratio, float("nan")
+    boots = []
+    for _ in range(400):
+        ra = [a[rng.randrange(len(a))] for _ in a]
+        rb = [b[rng.randrange(len(b))] for _ in b]
+        boots.append(statistics.median(ra) / statistics.median(rb))
+    q = statistics.quantiles(boots, n=4)
+    return ratio, (q[2] - q[0]) / 2
 
 
 def verdict(value: float, noise: float, limit: float, below: bool = True) -> Optional[bool]:

@@ -76,7 +76,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    "PyTorch steps, the optimiser step); default 1, see README")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each benchmark, wait up to SECONDS for the CPUs to be at least "
-                   f"{IDLE:.0%} idle over {WINDOW:.0f} s (a machine shared with other work); "
+                   f"{IDLE:.0%}% idle over {WINDOW:.0f} s (a machine shared with other work); "
                    "what it found is recorded with the benchmark")
     p.add_argument("--only", default=None,
                    help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")

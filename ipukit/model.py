@@ -211,7 +211,7 @@ class PoplarExecutor(PopTorchMethods):
 
             out = distributed.maybe_run(self, args, kwargs)
             if out is not distributed.NOT_DISTRIBUTED:
-                self._keep_timeline(distributed.last_timeline(self))
+                self._keep_timeline(distributed.timeline_source(self))
                 return out
         flat, spec = self._flatten(args, kwargs)
         if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in flat):
@@ -251,11 +251,19 @@ class PoplarExecutor(PopTorchMethods):
             self._keep_timeline(_call_timeline(self, runner, flat, t_call, t_run, t_gather))
         return result
 
-    def _keep_timeline(self, timeline: Optional[Timeline]) -> None:
+    def _keep_timeline(self, timeline) -> None:
         """The last call's timeline (``getTimeline()``), written out when ``profileDir`` is set
-        (with stages as processes, by process 0 only: its timeline holds every process's)."""
+        (with stages as processes, by process 0 only: its timeline holds every process's).
+        ``timeline`` may be a function that builds it: it then runs when the timeline is
+        first read (at once when it must be written out)."""
         if timeline is None:
             return
+        if not isinstance(timeline, Timeline):
+            if not self._options.profile_dir:
+                self.__dict__["_timeline_source"], self._timeline = timeline, None
+                return
+            timeline = timeline()
+        self.__dict__["_timeline_source"] = None
         self._timeline = timeline
         if self._options.profile_dir and timeline.meta.get("gathered", True):
             from .profile import write_profile

@@ -67,6 +67,9 @@ class PopTorchMethods:
 
     def getTimeline(self) -> Optional[Timeline]:
         """The measured :class:`~ipukit.Timeline` of the last call (None before any call)."""
+        source = self.__dict__.get("_timeline_source")
+        if source is not None:  # built on first read (stages as processes)
+            self.__dict__["_timeline_source"], self._timeline = None, source()
         return self._timeline
 
     def isCompiled(self) -> bool:

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import blocks as _blocks
+from .flat import flat_stage
 from .errors import BlockError, PipelineConfigError, TracingError
 from .ops import LossMarks, running_on_ipu
 from .strategies import PipelinedExecution, ShardedExecution
@@ -400,7 +401,7 @@ def _from_split_graph(pipe, recorder, flat_model, out_leaves, loss) -> Partition
             n_inputs += 1
         elif node.op == "call_module":
             k = len(stages)
-            module = _fast(pipe.get_stage_module(k))
+            module = flat_stage(_fast(pipe.get_stage_module(k)))
             args = [ref_of(a) for a in node.args]
             if node.kwargs:
                 raise TracingError("ipukit: unexpected keyword arguments between stages")

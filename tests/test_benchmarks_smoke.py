@@ -53,3 +53,25 @@ def test_pipeline_win_measures_every_variant():
     assert d["best_loop"] in variants[:2] and d["best_sharded"] in variants[2:4]
     assert len(d["stage_ms_1_thread"]) == len(d["stage_ms_2_threads"]) == 2
     assert sorted(d["timeline"].utilisation()["per_ipu"]) == [0, 1] and 0 <= d["overlap"] <= 1
+
+
+def test_help_prints_every_option():
+    """``--help`` renders (a bare % in an option's help once made argparse crash on it)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for option in ("--smoke", "--out", "--threads", "--wait-idle", "--only"):
+        assert option in proc.stdout
+
+
+def test_median_ratio_is_the_ratio_of_medians_with_a_bootstrap_noise():
+    sys.path.insert(0, REPO)
+    from benchmarks.common import median_ratio
+
+    a = [1.0, 2.0, 3.0, 4.0, 100.0]
+    b = [2.0, 4.0, 6.0, 8.0, 0.5]
+    ratio, noise = median_ratio(a, b)
+    assert ratio == 3.0 / 4.0
+    assert noise > 0 and median_ratio(a, b) == (ratio, noise)  # seeded: reproducible
+    assert median_ratio([1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]) == (0.5, 0.0)
+    assert math.isnan(median_ratio([1.0], [2.0])[1])

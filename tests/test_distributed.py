@@ -594,3 +594,26 @@ def test_a_failed_call_is_undone_whether_the_weights_were_copied_yet_or_not():
         with pytest.raises(RuntimeError):
             call(fail_at)
         assert_state(after_two)
+
+
+def test_a_process_call_timeline_is_built_when_first_read_and_only_once():
+    """With stages as processes a call hands the model what builds its timeline: it runs at
+    the first getTimeline() (most calls' timelines are never read), and once."""
+    from helpers import StackNet, make_data
+    from ipukit.timeline import Timeline
+
+    net = StackNet(2)
+    opts = ipukit.Options()
+    opts.Training.gradientAccumulation(4)
+    model = ipukit.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    model(*make_data(8))
+    built = []
+
+    def build():
+        built.append(1)
+        return Timeline([], meta={"call": len(built)})
+
+    model._keep_timeline(build)
+    assert built == []
+    first = model.getTimeline()
+    assert model.getTimeline() is first and built == [1]

@@ -1,7 +1,7 @@
-"""A stage as one flat graph (ipukit/distributed/flat.py): the same ops on the same tensors.
+"""A stage as one flat graph (ipukit/flat.py): the same ops on the same tensors.
 
-The process runtime runs each stage's traced module inlined into one
-GraphModule. These tests hold it to the nested module it was made from:
+Every runtime runs each stage's traced module inlined into one GraphModule
+(the partition holds it). These tests hold it to the nested module it was made from:
 the same outputs, the same gradients on the same parameter objects, the
 same in-place buffer updates; and where it cannot inline, the nested module.
 tests/test_distributed.py checks whole runs on processes against threads.
@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ipukit
-from ipukit.distributed.flat import flat_stage, nested_of
+from ipukit.flat import flat_stage, nested_of
 
 
 class Net(nn.Module):
@@ -38,13 +38,14 @@ def stages_of(net):
     opts.Training.gradientAccumulation(4)
     model = ipukit.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
     model(x, y)
-    return [st.module for st in model.program.partition.stages], x, y
+    return [nested_of(st.module) for st in model.program.partition.stages], x, y
 
 
 def test_a_flat_stage_computes_the_same_on_the_same_tensors():
     torch.manual_seed(1)
     net = Net()
     nested, x, y = stages_of(net)
+    assert all(m is not None and type(m).__name__ != "FlatStage" for m in nested)
     flat = [flat_stage(m) for m in nested]
     for f, m in zip(flat, nested):
         assert type(f).__name__ == "FlatStage" and nested_of(f) is m

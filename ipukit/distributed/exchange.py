@@ -189,24 +189,30 @@ class SpanGather:
 
     def __call__(self, events: Sequence, start: float) -> List[Tuple[list, float]]:
         """(spans, call start) of every process on process 0 (a collective); this one's elsewhere."""
-        return self.start(events, start)()
+        return self.start(events, start)()()
 
     def start(self, events: Sequence, start: float):
-        """Post the gather (asynchronously: the rows' exchange can run meanwhile); returns
-        what waits for it and gives :meth:`__call__`'s result."""
+        """Post the gather (asynchronously: the rows' exchange can run meanwhile).
+
+        Returns ``wait``: it completes the gather and returns ``parts``, which decodes
+        the tables into :meth:`__call__`'s result when (and if) the timeline is read.
+        """
         import torch.distributed as dist
 
         mine = (list(events), start)
         if self.world == 1:
-            return lambda: [mine]
+            return lambda: lambda: [mine]
         table = self.encode(events, start)
         tables = [torch.empty_like(table) for _ in range(self.world)] if self.rank == 0 else None
         work = dist.gather(table, tables, dst=0, async_op=True)
 
-        def wait() -> List[Tuple[list, float]]:
-            work.wait()
+        def parts() -> List[Tuple[list, float]]:
             if self.rank != 0:
                 return [mine]
             return [mine if r == 0 else self.decode(t) for r, t in enumerate(tables)]
+
+        def wait():
+            work.wait()
+            return parts
 
         return wait

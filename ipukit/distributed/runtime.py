@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -53,7 +53,8 @@ from .stages import CallContext, StageBody, carry_plan, process_lanes, schedule_
     timed_stage_class
 
 __all__ = ["NOT_DISTRIBUTED", "DistributedError", "is_active", "ensure_process_group",
-           "maybe_run", "synchronize_weights", "last_timeline", "expected_processes"]
+           "maybe_run", "synchronize_weights", "last_timeline", "timeline_source",
+           "expected_processes"]
 
 #: Returned by :func:`maybe_run` when the model is not distributed (run it on threads).
 NOT_DISTRIBUTED = object()
@@ -201,7 +202,8 @@ class _Recorder:
         self.events: List[Event] = []
         self.call_index = 0
         self.iteration = 0
-        self.timeline: Optional[Timeline] = None   # the last call's
+        #: builds the last call's timeline (once, when first called; see finish)
+        self.last: Optional[Callable[[], Timeline]] = None
         self.clock = GpuClock() if self.on and layout.device.type == "cuda" else None
         dist.barrier()
         self.t0 = time.perf_counter()
@@ -244,25 +246,43 @@ class _Recorder:
             self.events.append(Event(-1, "host", -1, t_start - t0, t_opt - t0, -1,
                                      lay.replica, self.iteration, self.call_index))
 
-    def finish(self, parts: list, flat: Sequence) -> None:
-        """The call's :class:`Timeline` from ``parts`` ((events, call start) per process:
-        every process's on process 0, this one's elsewhere)."""
+    def finish(self, parts: Callable[[], list], flat: Sequence) -> None:
+        """This call's timeline, from ``parts`` (gives (events, call start) per process:
+        every process's on process 0, this one's elsewhere), built when first read:
+        most calls' timelines are never looked at, and building one costs a few tenths
+        of a millisecond, each call, on the pipeline's last process to finish."""
+        samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
+                       0)
+        call, built = self.call_index, []
+
+        def build() -> Timeline:
+            if not built:
+                built.append(self._build(parts, samples, call))
+            return built[0]
+
+        self.last = build
+
+    @property
+    def timeline(self) -> Optional[Timeline]:
+        """The last call's :class:`Timeline` (None before one)."""
+        return None if self.last is None else self.last()
+
+    def _build(self, parts: Callable[[], list], samples: int, call: int) -> Timeline:
         c, lay = self.compiled, self.layout
+        parts = parts()
         start = min(p[1] for p in parts)
         events = [e._replace(start=e.start - start, end=e.end - start)
                   for p in parts for e in p[0]]
         events.sort(key=lambda e: (e.start, e.replica, e.ipu))
-        samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
-                       0)
         meta = dict(c.schedule.describe())
         meta.update({"schedule": c.schedule.kind, "replicas": lay.dp, "samples": samples,
-                     "training": c.training, "call": self.call_index,
+                     "training": c.training, "call": call,
                      "model": c.options.model_name or ("training" if c.training else "inference"),
                      "stage_ipus": list(c.schedule.stage_ipus),
                      "blocks": [st.blocks for st in c.partition.stages],
                      "processes": lay.world, "rank": lay.rank,
                      "gathered": lay.rank == 0})
-        self.timeline = Timeline(events, modeled=False, meta=meta)
+        return Timeline(events, modeled=False, meta=meta)
 
 
 class _Runtime:
@@ -399,7 +419,7 @@ class _Runtime:
         rows = rows_of_replica()  # every process of the replica: the replica's rows
         result = _call_outputs(c, rows, micro, ctx.returned, local)
         if spans is not None:
-            rec.finish(spans(), flat)
+            rec.finish(spans(), flat)  # the timeline itself is built when it is read
         rec.call_index += 1
         return result
 
@@ -566,6 +586,13 @@ def _runtime_of(model) -> Optional[_Runtime]:
     """The runtime of ``model`` (a PoplarExecutor, or ipukit.distributed's wrapper of one)."""
     model = model.__dict__.get("_executor", model)
     return model.__dict__.get("_ipukit_distributed")
+
+
+def timeline_source(model) -> Optional[Callable[[], Optional[Timeline]]]:
+    """What builds the timeline of ``model``'s last call on processes, when it is read
+    (None when timelines are not recorded)."""
+    rt = _runtime_of(model)
+    return None if rt is None or not rt.recorder.on else rt.recorder.last
 
 
 def last_timeline(model) -> Optional[Timeline]:

@@ -16,11 +16,6 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .flat import flat_stage
-
-#: run each stage as one flat graph (:mod:`ipukit.distributed.flat`); False: as traced (nested)
-FLAT_STAGES = True
-
 
 class CallContext:
     """What this process's stage bodies and stages read and write during a call."""
@@ -58,7 +53,7 @@ class StageBody(torch.nn.Module):
                  carried_out: List[Tuple[int, int]], device: torch.device) -> None:
         super().__init__()
         st = compiled.partition.stages[index]
-        self.inner = flat_stage(st.module) if FLAT_STAGES else st.module
+        self.inner = st.module
         self._ctx = ctx
         self._index = index
         self._args = st.args

@@ -1,4 +1,4 @@
-"""A stage's traced module as one flat graph: what a process runs for each micro-batch.
+"""A stage's traced module as one flat graph: what every runtime calls for each micro-batch.
 
 torch's tracer hands each stage back as nested ``InterpreterModule``s, one per
 module of the user's model (the model, its body, each layer). Each level costs
