@@ -12,7 +12,7 @@ from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLo
                     HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,
                     MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
                     ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
-from .errors import Error, UnsupportedError
+from .errors import Error, OptionsError, UnsupportedError
 from .ipu_config import (IncompatibleIPUConfigError, IPUConfig, get_layer_ipu,
                          recomputation_checkpoint, split_encoder_decoder_ipu_config)
 from .model import (PoplarExecutor, inferenceModel, registerPostCompileHook,
@@ -44,18 +44,22 @@ _LOG_LEVELS = {"TRACE": (0, 10), "DEBUG": (1, 10), "INFO": (2, 20), "WARN": (3, 
 
 
 def setLogLevel(level) -> None:
-    """PopTorch's log level (``"TRACE"`` ... ``"OFF"``, or 0-4, 6); sets the ``ipukit`` logger."""
+    """PopTorch's log level (``"TRACE"`` ... ``"OFF"``, or 0-4, 6); sets the ``ipukit`` logger.
+
+    The value is checked before anything changes: a rejected level leaves the logger as it was.
+    """
     import logging
 
     if isinstance(level, int) and not isinstance(level, bool):
         names = [name for name, (number, _) in _LOG_LEVELS.items() if number == level]
         if not names:
-            raise ValueError(f"setLogLevel({level}): invalid log level integer; use 0-4 or 6, "
-                             f"or one of {list(_LOG_LEVELS)}.")
+            raise OptionsError(f"Invalid log level integer: setLogLevel({level}). Use 0 (TRACE) "
+                               "to 4 (ERR), 6 (OFF), or a level name.")
         level = names[0]
-    if level not in _LOG_LEVELS:
-        raise ValueError(f"Unknown log level: {level}. Valid values are "
-                         f"{', '.join(sorted(_LOG_LEVELS))}.")
+    if not isinstance(level, str) or level not in _LOG_LEVELS:
+        valid = sorted(_LOG_LEVELS)
+        raise OptionsError(f"Unknown log level: {level}. Valid values are "
+                           f"{', '.join(valid[:-1])} and {valid[-1]}.")
     logging.getLogger("ipukit").setLevel(_LOG_LEVELS[level][1])
 
 

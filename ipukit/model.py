@@ -347,7 +347,14 @@ _PRE_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDic
 _POST_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
 
 
-def _register(hooks: "collections.OrderedDict[int, Any]", hook) -> torch.utils.hooks.RemovableHandle:
+def _register(hooks: "collections.OrderedDict[int, Any]", hook,
+              what: str) -> torch.utils.hooks.RemovableHandle:
+    # Validate before the registry changes: a non-callable kept here would break every
+    # later compile in the process.
+    if not callable(hook):
+        raise Error(f"{what} hook must be callable (got {hook!r} of type "
+                    f"{type(hook).__name__}). Pass a function taking no arguments; "
+                    "nothing was registered.")
     handle = torch.utils.hooks.RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle
@@ -355,12 +362,12 @@ def _register(hooks: "collections.OrderedDict[int, Any]", hook) -> torch.utils.h
 
 def registerPreCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
     """Call ``hook()`` before any model is compiled (traced); ``handle.remove()`` undoes it."""
-    return _register(_PRE_COMPILE_HOOKS, hook)
+    return _register(_PRE_COMPILE_HOOKS, hook, "Pre-compile")
 
 
 def registerPostCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
     """Call ``hook()`` after any model is compiled; ``handle.remove()`` undoes it."""
-    return _register(_POST_COMPILE_HOOKS, hook)
+    return _register(_POST_COMPILE_HOOKS, hook, "Post-compile")
 
 
 def _unwrap(model):
