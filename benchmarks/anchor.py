@@ -25,7 +25,7 @@ from typing import Callable, Dict
 
 import torch
 
-from ipukit.workers import Exchange
+from ipukit.runtime.workers import Exchange
 
 from .common import Sizes, cores, interleaved, median, paired_ratio, threads, verdict
 from .models import BalancedNet, balanced_data, balanced_ipukit, balanced_sequential

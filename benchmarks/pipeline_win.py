@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 
 import ipukit
-from ipukit.timeline import Timeline
+from ipukit.timeline.events import Timeline
 
 from .common import Sizes, interleaved, median, paired_ratio, threads, verdict
 from .models import BalancedNet

@@ -12,8 +12,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import ipukit
-from ipukit.simulate import model_like, uncontended_costs
-from ipukit.timeline import Timeline
+from ipukit.timeline.simulate import model_like, uncontended_costs
+from ipukit.timeline.events import Timeline
 
 from . import anchor, distributed, peers, pipeline_win
 from .common import (BATCH, Sizes, cores, interleaved, median, paired_ratio, threads, timed,
@@ -89,7 +89,7 @@ def _tutorial_overhead(s: Sizes):
 
 def _undo_copy_seconds(plain: PlainStep, reps: int) -> float:
     """What making a call undoable costs: ipukit's snapshot of the same net and AdamW state."""
-    from ipukit.update import StateSnapshot
+    from ipukit.runtime.update import StateSnapshot
 
     snap = StateSnapshot()
     return median(timed(lambda: snap.capture(plain.net, plain.optimizer, True), max(5, reps)))

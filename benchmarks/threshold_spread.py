@@ -121,7 +121,7 @@ NOTEBOOKS: Dict[str, Callable[[int, bool], float]] = {"01": _walkthrough, "02": 
 @contextlib.contextmanager
 def intra_op_threads(n: int):
     """``n`` intra-op threads on this thread and on each of ipukit's pipeline workers."""
-    from ipukit import executor
+    from ipukit.runtime import executor
 
     default, previous = executor.default_threads, torch.get_num_threads()
     executor.default_threads = lambda workers: n

@@ -5,29 +5,33 @@ Stages split a model across virtual IPUs, pipelined and sharded execution
 run micro-batches through per-IPU workers, and every call records a
 per-IPU timeline (``model.getTimeline()``).
 """
-from . import optim
-from .blocks import BeginBlock, Block, BlockFunction, removeBlocks
+# ``ipukit.simulate`` is both a module (kept as an alias of ipukit.timeline.simulate) and,
+# as in earlier releases, the function below: the alias is loaded first so that a later
+# ``import ipukit.simulate`` does not rebind the package attribute to the module.
+from . import simulate as _simulate_module  # noqa: F401
+from .core import optim
+from .core.blocks import BeginBlock, Block, BlockFunction, removeBlocks
+from .core.enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
+                         HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,
+                         MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
+                         ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
+from .core.errors import Error, OptionsError, UnsupportedError
+from .core.ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,
+                       dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor,
+                       isRunningOnIpu, nop, recomputationCheckpoint, serializedMatMul,
+                       set_available_memory, set_overlap_for_input, set_overlap_for_output)
+from .core.options import Options, TensorLocationSettings
+from .core.strategies import (ParallelPhasedExecution, Phase, PhasedExecution,
+                              PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage)
 from .data import AsynchronousDataAccessor, DataLoader
-from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
-                    HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,
-                    MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
-                    ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
-from .errors import Error, OptionsError, UnsupportedError
-from .ipu_config import (IncompatibleIPUConfigError, IPUConfig, get_layer_ipu,
-                         recomputation_checkpoint, split_encoder_decoder_ipu_config)
+from .ipuconfig import (IncompatibleIPUConfigError, IPUConfig, get_layer_ipu,
+                        recomputation_checkpoint, split_encoder_decoder_ipu_config)
 from .model import (PoplarExecutor, inferenceModel, registerPostCompileHook,
                     registerPreCompileHook, trainingModel)
-from .ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,
-                  dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor,
-                  isRunningOnIpu, nop, recomputationCheckpoint, serializedMatMul,
-                  set_available_memory, set_overlap_for_input, set_overlap_for_output)
-from .options import Options, TensorLocationSettings
-from .schedule import Action, Schedule
-from .compare import compare_schedules
-from .simulate import costs_from, model_like, play_on_cores, simulate
-from .strategies import (ParallelPhasedExecution, Phase, PhasedExecution, PipelinedExecution,
-                         SerialPhasedExecution, ShardedExecution, Stage)
+from .schedules import Action, Schedule
 from .timeline import Event, Timeline
+from .timeline.compare import compare_schedules
+from .timeline.simulate import costs_from, model_like, play_on_cores, simulate
 
 __version__ = "0.1.0"
 

@@ -14,12 +14,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import blocks as _blocks
-from .enums import AutoStage
-from .errors import BlockError
-from .memory import unchanged_state
-from .strategies import PipelinedExecution, ShardedExecution, Stage
-from .timeline import Timeline
+from .core import blocks as _blocks
+from .core.enums import AutoStage
+from .core.errors import BlockError
+from .viz.memory import unchanged_state
+from .core.strategies import PipelinedExecution, ShardedExecution, Stage
+from .timeline.events import Timeline
 
 
 # -- the split -----------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
     call, then a call of ``repeats`` micro-batches whose timeline gives the
     medians. The user's model is left unchanged.
     """
-    from .options import Options
+    from .core.options import Options
 
     repeats = max(1, int(repeats))
     batch = tuple(_repeat(a, repeats) for a in _as_args(sample_inputs))

@@ -16,9 +16,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .enums import DataLoaderMode
-from .errors import OptionsError
-from .options import Options
+from .core.enums import DataLoaderMode
+from .core.errors import OptionsError
+from .core.options import Options
 
 
 def _warn_incomplete_last_batch(dataset, combined: int, drop_last: bool) -> None:
@@ -82,7 +82,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         if options.Distributed.numProcesses > 1:  # a launched run: this process's share
-            from .distributed.data import process_batches
+            from .runtime.processes.data import process_batches
 
             self._combined_batch_size, sampler = process_batches(
                 options, dataset, batch_size, shuffle, auto_distributed_partitioning)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .errors import DataError
+from .core.errors import DataError
 
 DATA_ENV = "IPUKIT_DATA"
 DEFAULT_ROOT = "~/.torch/datasets"

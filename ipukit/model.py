@@ -21,15 +21,15 @@ import torch
 import torch.utils.hooks
 from torch.utils import _pytree as pytree
 
-from . import anchors, compiler, microbatch
-from .enums import OutputMode
-from .errors import (Error, InputShapeError, ModelStateError, OptionsError, PipelineConfigError,
-                     UnsupportedError)
-from .executor import CallRunner, StateSnapshot
+from .core import anchors, batching as microbatch
+from .compile import compiler
+from .core.enums import OutputMode
+from .core.errors import (Error, InputShapeError, ModelStateError, OptionsError, PipelineConfigError, UnsupportedError)
+from .runtime.executor import CallRunner, StateSnapshot
 from .model_methods import DESTROYED, PopTorchMethods, ipu_only_method
-from .options import Options
-from .program import Program
-from .timeline import Event, Timeline
+from .core.options import Options
+from .compile.program import Program
+from .timeline.events import Event, Timeline
 
 
 def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
@@ -207,7 +207,7 @@ class PoplarExecutor(PopTorchMethods):
         if self._destroyed:
             raise ModelStateError(DESTROYED)
         if self._options.Distributed.numProcesses > 1:  # launched by ipukit-run / torchrun
-            from .distributed import runtime as distributed
+            from .runtime.processes import runtime as distributed
 
             out = distributed.maybe_run(self, args, kwargs)
             if out is not distributed.NOT_DISTRIBUTED:
@@ -266,7 +266,7 @@ class PoplarExecutor(PopTorchMethods):
         self.__dict__["_timeline_source"] = None
         self._timeline = timeline
         if self._options.profile_dir and timeline.meta.get("gathered", True):
-            from .profile import write_profile
+            from .viz.profile import write_profile
 
             write_profile(timeline, self._options.profile_dir, self)
 

@@ -11,9 +11,9 @@ from typing import List, Optional
 
 import torch
 
-from . import anchors
-from .errors import ModelStateError, OptionsError, UnsupportedError
-from .timeline import Timeline
+from .core import anchors
+from .core.errors import ModelStateError, OptionsError, UnsupportedError
+from .timeline.events import Timeline
 
 # PopTorch model methods that measured or stored IPU-only things: a clear error
 # instead of an AttributeError naming the user's model class.
@@ -100,7 +100,7 @@ class PopTorchMethods:
         if self._program is None:
             raise ModelStateError(NOT_COMPILED)
         if self._options.Distributed.numProcesses > 1:
-            from .distributed import runtime as distributed
+            from .runtime.processes import runtime as distributed
 
             distributed.synchronize_weights(self)
 

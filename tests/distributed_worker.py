@@ -17,7 +17,7 @@ import torch
 
 import ipukit as poptorch
 import ipukit.distributed as ipd
-from ipukit.distributed.runtime import DistributedError, _runtime_of
+from ipukit.runtime.processes.runtime import DistributedError, _runtime_of
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])

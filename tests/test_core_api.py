@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import ipukit
 from helpers import StackNet, clone_model, make_data, max_weight_diff
-from ipukit.blocks import begin_blocks
+from ipukit.core.blocks import begin_blocks
 
 
 # -- Options ----------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def _thread_counts(opts, stages=2):
 
 
 def test_workers_share_the_cores_without_oversubscribing():
-    from ipukit.executor import default_threads
+    from ipukit.runtime.executor import default_threads
 
     cores = default_threads(1)
     assert _thread_counts(ipukit.Options().deviceIterations(4)) == {max(1, cores // 2)}

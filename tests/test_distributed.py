@@ -19,8 +19,8 @@ import torch
 import ipukit
 import ipukit.distributed as ipd
 from ipukit.distributed import run as ipukit_run
-from ipukit.distributed.runtime import DistributedError
-from ipukit.errors import OptionsError
+from ipukit.runtime.processes.runtime import DistributedError
+from ipukit.core.errors import OptionsError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed_worker.py")
@@ -435,7 +435,7 @@ def test_training_script_runs_as_four_processes(data_root, tmp_path):
 
 
 def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
-    from ipukit.distributed.runtime import ensure_process_group
+    from ipukit.runtime.processes.runtime import ensure_process_group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -454,7 +454,7 @@ def recorder_on(device, monkeypatch, record=True):
     from types import SimpleNamespace
 
     import torch.distributed as dist
-    from ipukit.distributed.runtime import _Recorder
+    from ipukit.runtime.processes.runtime import _Recorder
 
     monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: None)
     layout = SimpleNamespace(device=torch.device(device), ipu=1, replica=0)
@@ -463,7 +463,7 @@ def recorder_on(device, monkeypatch, record=True):
 
 def test_recorder_on_cpu_records_host_times(monkeypatch):
     """On CPU an action's span is the host clock around it: no GpuClock, nothing to resolve."""
-    import ipukit.distributed.runtime as runtime
+    import ipukit.runtime.processes.runtime as runtime
 
     monkeypatch.setattr(runtime, "GpuClock", None)  # building one would fail
     rec = recorder_on("cpu", monkeypatch)
@@ -503,7 +503,7 @@ class _StandInClock:
 def test_recorder_on_cuda_defers_spans_to_the_gpu_clock(monkeypatch):
     """On CUDA (a stand-in clock here) a span is a placeholder between two marks, its times
     written once after the call: no synchronisation per action (tests/test_gpu.py: real CUDA)."""
-    import ipukit.distributed.runtime as runtime
+    import ipukit.runtime.processes.runtime as runtime
 
     monkeypatch.setattr(runtime, "GpuClock", _StandInClock)
     monkeypatch.setattr(torch.cuda, "synchronize", None)  # calling it would fail
@@ -518,7 +518,7 @@ def test_recorder_on_cuda_defers_spans_to_the_gpu_clock(monkeypatch):
 
 def test_what_processes_do_not_support_yet_is_a_clear_error():
     from helpers import StackNet, make_data
-    from ipukit.distributed.runtime import _check_supported
+    from ipukit.runtime.processes.runtime import _check_supported
 
     o = ipukit.Options()
     o.Training.gradientAccumulation(3)
@@ -532,10 +532,10 @@ def test_what_processes_do_not_support_yet_is_a_clear_error():
 def test_weights_are_copied_where_the_first_stage_would_wait_for_a_peer():
     """The undo copy of the weights is taken after the first stage's leading forwards (its
     process then waits for the next stage); a process that waits from the start copies at once."""
-    from ipukit.distributed.runtime import idle_point
-    from ipukit.distributed.stages import process_lanes
-    from ipukit.schedule import build
-    from ipukit.schedules import placement
+    from ipukit.runtime.processes.runtime import idle_point
+    from ipukit.runtime.processes.stages import process_lanes
+    from ipukit.schedules.ir import build
+    from ipukit.schedules.generators import placement
 
     want = {("1f1b", 2, 2): [(0, 1), None], ("gpipe", 2, 2): [(0, 7), None],
             ("1f1b", 4, 4): [(0, 3), None, None, None],
@@ -552,8 +552,8 @@ def test_a_failed_call_is_undone_whether_the_weights_were_copied_yet_or_not():
     copy of an earlier call), one that fails after its step leaves those before it."""
     from types import SimpleNamespace
 
-    from ipukit.distributed.runtime import _Runtime
-    from ipukit.update import StateSnapshot
+    from ipukit.runtime.processes.runtime import _Runtime
+    from ipukit.runtime.update import StateSnapshot
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
@@ -601,7 +601,7 @@ def test_a_process_call_timeline_is_built_when_first_read_and_only_once():
     """With stages as processes a call hands the model what builds its timeline: it runs at
     the first getTimeline() (most calls' timelines are never read), and once."""
     from helpers import StackNet, make_data
-    from ipukit.timeline import Timeline
+    from ipukit.timeline.events import Timeline
 
     net = StackNet(2)
     opts = ipukit.Options()

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ipukit.distributed.exchange import RowExchange, SpanGather, layout_of, pack, unpack
-from ipukit.timeline import Event
+from ipukit.runtime.processes.exchange import RowExchange, SpanGather, layout_of, pack, unpack
+from ipukit.timeline.events import Event
 
 
 def rows_of(seed=0, tail=3):

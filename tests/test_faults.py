@@ -144,7 +144,7 @@ def test_a_second_ctrl_c_while_stopping_leaves_no_worker_running(monkeypatch):
 
 
 def test_interrupt_pending_during_a_deferred_section_is_raised_after_it():
-    from ipukit.workers import InterruptGuard
+    from ipukit.runtime.workers import InterruptGuard
 
     guard = InterruptGuard()
     done = []
@@ -158,7 +158,7 @@ def test_interrupt_pending_during_a_deferred_section_is_raised_after_it():
 
 
 def test_pool_join_waits_for_every_worker_and_reports_the_first_error():
-    from ipukit.workers import Aborted, Pool
+    from ipukit.runtime.workers import Aborted, Pool
 
     stop = threading.Event()
 

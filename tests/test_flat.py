@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ipukit
-from ipukit.flat import flat_stage, nested_of
+from ipukit.compile.flat import flat_stage, nested_of
 
 
 class Net(nn.Module):

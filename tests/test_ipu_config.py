@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import ipukit
-from ipukit.ipu_config import (ATTRIBUTES, IPUConfigError, IPUConfigTypeError,
+from ipukit.ipuconfig.config import (ATTRIBUTES, IPUConfigError, IPUConfigTypeError,
                                _expand_layers_per_ipu_wildcard)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ipu_config")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 pl = pytest.importorskip("pytorch_lightning")
 
 import ipukit as poptorch  # noqa: E402
-from ipukit.lightning import (IPUAccelerator, IPUPrecision, IPUStrategy,  # noqa: E402
+from ipukit.lightning.strategy import (IPUAccelerator, IPUPrecision, IPUStrategy,  # noqa: E402
                               LightningError)
 
 logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)

@@ -4,9 +4,9 @@ import torch
 import torch.nn as nn
 
 import ipukit
-from ipukit.errors import ModelStateError
-from ipukit.memory import activation_stash, memory_report, stash_of
-from ipukit.schedule import build
+from ipukit.core.errors import ModelStateError
+from ipukit.viz.memory import activation_stash, memory_report, stash_of
+from ipukit.schedules.ir import build
 
 WIDTH, MB = 8, 5          # features, samples per micro-batch
 

@@ -7,7 +7,7 @@ import torch
 
 import ipukit
 from ipukit import Timeline, plots
-from ipukit.memory import MemoryReport
+from ipukit.viz.memory import MemoryReport
 
 
 def drawn_bars(tl):

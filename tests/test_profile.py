@@ -5,7 +5,7 @@ import re
 import torch
 
 import ipukit
-from ipukit.profile import write_profile
+from ipukit.viz.profile import write_profile
 from test_timeline import SleepStack, pipelined
 
 

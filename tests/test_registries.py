@@ -81,7 +81,7 @@ def test_bad_log_level_leaves_the_logger_as_it_was(bad, match):
 
 
 def test_block_recorder_is_cleared_after_a_failed_trace():
-    from ipukit.blocks import _recorder  # the registry under test
+    from ipukit.core.blocks import _recorder  # the registry under test
 
     class Broken(torch.nn.Module):
         def __init__(self):

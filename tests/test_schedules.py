@@ -7,9 +7,9 @@ import torch
 
 import ipukit
 from helpers import StackNet, clone_model, make_data, max_weight_diff, reference_training
-from ipukit.compare import compare_schedules
-from ipukit.schedule import PIPELINED_KINDS, ScheduleError, build, walk
-from ipukit.schedules import (LOOPED, SPLIT_BACKWARD, V_SHAPED, lanes_for, minimum_micro_batches,
+from ipukit.timeline.compare import compare_schedules
+from ipukit.schedules.ir import PIPELINED_KINDS, ScheduleError, build, walk
+from ipukit.schedules.generators import (LOOPED, SPLIT_BACKWARD, V_SHAPED, lanes_for, minimum_micro_batches,
                               placement)
 
 MODERN = ("interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
@@ -279,7 +279,7 @@ def test_split_backward_does_not_rerun_the_forward():
 
 
 def test_split_backward_halves_equal_one_backward_on_branching_graphs():
-    from ipukit.split_backward import backward_input, backward_weight
+    from ipukit.runtime.split_backward import backward_input, backward_weight
 
     torch.manual_seed(0)
 
@@ -338,7 +338,7 @@ def test_schedule_benchmark_measures_and_models_each_schedule():
 
 def test_memory_report_counts_activations_until_the_weight_gradient():
     """ZB-H1 holds a micro-batch's activations until its W: P on every stage (1F1B: N − s)."""
-    from ipukit.memory import activation_stash, memory_report
+    from ipukit.viz.memory import activation_stash, memory_report
 
     assert activation_stash("zb-h1", 4, 8) == [4, 4, 4, 4]
     assert activation_stash("1f1b", 4, 8) == [4, 3, 2, 1]

@@ -99,7 +99,7 @@ def test_sharded_gpipe_sum_run(data_root, capsys):
     assert final_accuracy(capsys.readouterr().out) > 50.0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ipukit.profile") is None,
+@pytest.mark.skipif(importlib.util.find_spec("ipukit.viz.profile") is None,
                     reason="ipukit/profile.py (write_profile) is not in this checkout yet")
 def test_profile_writes_trace_and_report(data_root, tmp_path, capsys):
     out = tmp_path / "profile"

@@ -7,8 +7,8 @@ import pytest
 
 import ipukit
 from ipukit import Timeline
-from ipukit.schedule import build
-from ipukit.simulate import model_like, play, play_on_cores
+from ipukit.schedules.ir import build
+from ipukit.timeline.simulate import model_like, play, play_on_cores
 
 KINDS = ("gpipe", "1f1b", "sharded", "inference", "sharded-inference")
 CASES = [(1, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 16), (6, 2), (8, 32)]

@@ -345,7 +345,7 @@ def test_measured_steps_are_not_busy_time(measured):
 
 def test_uncontended_costs_undo_fair_sharing():
     """4 passes of 1 s each started together on 2 cores: each span lasts 2 s, each did 1 s."""
-    from ipukit.simulate import uncontended_costs
+    from ipukit.timeline.simulate import uncontended_costs
 
     events = [Event(s, "forward", 0, 0.0, 2.0, s) for s in range(4)]
     events += [Event(s, "backward", 0, 2.0 + s, 3.0 + s, s) for s in range(4)]   # one at a time
@@ -362,7 +362,7 @@ def test_uncontended_costs_undo_fair_sharing():
 def test_available_cores_is_the_executors_count():
     import os
 
-    from ipukit.executor import default_threads
-    from ipukit.simulate import available_cores
+    from ipukit.runtime.executor import default_threads
+    from ipukit.timeline.simulate import available_cores
 
     assert available_cores() == len(os.sched_getaffinity(0)) == default_threads(1)

@@ -7,10 +7,10 @@ import torch
 
 import ipukit
 from helpers import clone_model, max_weight_diff, reference_training
-from ipukit.blocks import _BlockHook
+from ipukit.core.blocks import _BlockHook
 from ipukit.examples import mnist_pipeline
 from ipukit.examples.vit import CONFIG_PATH, ViT, num_layers_for
-from ipukit.ipu_config import _Recompute
+from ipukit.ipuconfig.config import _Recompute
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ipu_config")
 

@@ -650,7 +650,7 @@ def test_redraw_shows_fresh_widgets_holding_the_figures_whole(explorer):
 # -- every schedule: the selector and the comparison ---------------------------------------
 
 def test_schedules_place_the_stages_as_ipukit_says():
-    from ipukit.schedules import placement
+    from ipukit.schedules.generators import placement
 
     four = Config()
     assert logic.placed(four.with_(schedule="ZBV")).stage_ipus == (0, 1, 1, 0)
@@ -671,7 +671,7 @@ def test_schedules_place_the_stages_as_ipukit_says():
 
 @pytest.mark.parametrize("costs", [equal_costs(), logic.default_costs()], ids=["equal", "default"])
 def test_the_comparison_is_ipukit_simulate_for_every_schedule(costs):
-    from ipukit.schedules import LOOPED, V_SHAPED, placement
+    from ipukit.schedules.generators import LOOPED, V_SHAPED, placement
     from ipukit.widgets.comparison import schedule_rows
 
     config = Config(device_iterations=1, gradient_accumulation=8)
@@ -784,7 +784,7 @@ def test_the_readme_table_of_schedules_is_the_simulators():
 
 
 def test_explorer_trains_the_vit_on_a_v_of_eight_one_layer_stages(explorer):
-    from ipukit.schedules import placement
+    from ipukit.schedules.generators import placement
 
     explorer.set(model="ViT", layers_per_ipu="1, 1, 1, 1, 1, 1, 1, 1", schedule="ZBV",
                  device_iterations=1, gradient_accumulation=4, micro_batch_size=8)

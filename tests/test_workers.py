@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from ipukit.workers import Aborted, Exchange
+from ipukit.runtime.workers import Aborted, Exchange
 
 
 def test_put_before_take_and_take_before_put_both_deliver():

@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ..errors import Error
-from .runtime import (NOT_DISTRIBUTED, DistributedError, is_active, maybe_run,
-                      synchronize_weights)
+from ..core.errors import Error
+from ..runtime.processes.runtime import (NOT_DISTRIBUTED, DistributedError, is_active, maybe_run, synchronize_weights)
 
 __all__ = ["DistributedError", "Options", "getInstanceIndex", "getNumInstances",
            "getNumTotalReplicas", "getNumLocalReplicas", "getProcessIndex", "getNumProcesses",
@@ -101,7 +100,7 @@ def Options(ipus_per_replica: int = 1, **kwargs: Any):  # noqa: N802 - popdist.p
     and ``Distributed.configureProcessId(rank, world_size)``. Outside a launch it
     is a plain single-process ``Options()``.
     """
-    from ..options import Options as _Options
+    from ..core.options import Options as _Options
 
     global _IPUS_PER_REPLICA
     n = _ipus_per_replica(ipus_per_replica)

@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..blocks import Block
-from ..strategies import PipelinedExecution, ShardedExecution, Stage
+from ..core.blocks import Block
+from ..core.strategies import PipelinedExecution, ShardedExecution, Stage
 
 BLOCKS = ("B1", "B2", "B3", "B4")
 

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 import ipukit
 from ipukit.datasets import DATA_ENV, DEFAULT_ROOT, mnist_tensors
 from ipukit.examples.mnist import Network, TrainingModelWithLoss, accuracy, strategy
-from ipukit.ipu_config import IPUConfig
+from ipukit.ipuconfig.config import IPUConfig
 
 PROG = "ipukit-mnist"
 OUTPUT_MODES = {"all": ipukit.OutputMode.All, "final": ipukit.OutputMode.Final,

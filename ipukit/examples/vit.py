@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..blocks import BeginBlock, removeBlocks
-from ..ipu_config import IPUConfig, get_layer_ipu, recomputation_checkpoint
+from ..core.blocks import BeginBlock, removeBlocks
+from ..ipuconfig.config import IPUConfig, get_layer_ipu, recomputation_checkpoint
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "vit_ipu_config.json")
 

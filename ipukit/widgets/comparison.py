@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
-from ..compare import peak_activations
-from ..timeline import Timeline
+from ..timeline.compare import peak_activations
+from ..timeline.events import Timeline
 from . import logic
 from .logic import Config, CostTable
 
@@ -104,7 +104,7 @@ def schedule_table(num_ipus: int = 4, micro_batches=(8, 32), forward_cost: float
     IPU's part of the model). Run ``python -m ipukit.widgets.comparison`` to
     print it; ``tests/test_widgets.py`` checks the README holds it.
     """
-    from ..compare import compare_schedules
+    from ..timeline.compare import compare_schedules
 
     runs = {m: compare_schedules(num_ipus, m, forward_cost=forward_cost,
                                  backward_cost=backward_cost) for m in micro_batches}

@@ -12,7 +12,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from .. import plots
+from ..viz import plots
 from . import logic
 from .comparison import ScheduleRow
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..errors import Error
+from ..core.errors import Error
 from . import logic
 from .controls import Controls
 from .dashboard import Dashboard, update_figure  # noqa: F401 - update_figure: public here too

@@ -27,14 +27,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..enums import AutoStage, OutputMode
-from ..errors import Error
-from ..options import Options, TensorLocationSettings
-from ..schedule import kind_of
-from ..schedules import LOOPED, V_SHAPED, placement
-from ..simulate import available_cores, simulate, uncontended_costs
-from ..strategies import PipelinedExecution, ShardedExecution, Stage
-from ..timeline import Timeline
+from ..core.enums import AutoStage, OutputMode
+from ..core.errors import Error
+from ..core.options import Options, TensorLocationSettings
+from ..schedules.ir import kind_of
+from ..schedules.generators import LOOPED, V_SHAPED, placement
+from ..timeline.simulate import available_cores, simulate, uncontended_costs
+from ..core.strategies import PipelinedExecution, ShardedExecution, Stage
+from ..timeline.events import Timeline
 
 OUTPUT_MODES = ("All", "Final", "Sum", "EveryN", "Default")
 #: Every pipelined schedule, by its ``Options.pipelineSchedule`` name (1F1B, ipukit's default, first).
@@ -595,14 +595,14 @@ def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Mod
     report of the compiled stages (:func:`ipukit.memory.memory_report`).
     """
     from .. import trainingModel
-    from ..memory import memory_report
+    from ..viz.memory import memory_report
 
     try:
         opts = training_options(config)
     except Error as exc:
         return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
     if optimizer_factory is None:
-        from ..optim import AdamW
+        from ..core.optim import AdamW
 
         optimizer_factory = lambda params: AdamW(params, lr=config.learning_rate)  # noqa: E731
     try:

@@ -25,9 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..blocks import begin_blocks
-from ..errors import OptionsError
-from ..ipu_config import IPUConfig
+from ..core.blocks import begin_blocks
+from ..core.errors import OptionsError
+from ..ipuconfig.config import IPUConfig
 
 
 class LayersPerIpuError(OptionsError):

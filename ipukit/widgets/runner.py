@@ -12,7 +12,7 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
-from ..errors import Error
+from ..core.errors import Error
 from . import logic
 from .dashboard import Dashboard
 from .data import ExplorerData

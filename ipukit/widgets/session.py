@@ -61,7 +61,7 @@ class TrainingSession:
         self.last_timeline = None
 
     def _optimizer_for(self, config: Config):
-        from ..optim import AdamW
+        from ..core.optim import AdamW
 
         if self.optimizer is None or self._lr != config.learning_rate:
             self.optimizer = AdamW(self.network.parameters(), lr=config.learning_rate)

@@ -644,7 +644,7 @@ def test_explorer_schedule_selector_and_comparison(notebooks):
     timeline of the selected one draws its passes (I and W for the zero-bubble schedules) on
     the IPUs its placement uses."""
     from ipukit import plots as ipuplots
-    from ipukit.schedules import placement
+    from ipukit.schedules.generators import placement
     from ipukit.widgets import comparison, logic
 
     nb = notebooks.run(EXPLORER)

@@ -1,0 +1,161 @@
+"""The compiled state of a model: one :class:`Program`, read by every other module.
+
+Compiling (:mod:`ipukit.compiler`) turns a model, its Options and a first batch
+into a ``Program``: the partition into stages, how tensors route between them
+and to the host, the torch device of each virtual IPU, the schedule of a call,
+its batching and output selection, and the input signature later calls must
+match. The executor, the memory and profile reports, the split balancer and
+the widgets read it through these public fields — nothing reads a model
+wrapper's private attributes. A Program never changes once built; replicas'
+own copies of stage modules (``replica_modules``) are the one cache it fills.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+
+from ..core.enums import OutputMode, ReductionType
+from ..core.errors import LossError
+from ..core.batching import Batching
+from .partition import Partition
+from ..schedules.ir import Schedule
+
+
+@dataclass(frozen=True)
+class Program:
+    """What compiling a model produced (frozen)."""
+
+    partition: Partition
+    schedule: Schedule
+    training: bool
+    devices: Dict[int, torch.device]           # virtual IPU -> torch device
+    batching: Batching
+    output_mode: OutputMode
+    output_period: int
+    input_names: Tuple[str, ...]
+    in_spec: Any                               # pytree spec of (args, kwargs)
+    signature: Tuple[Any, ...]                 # per flat input: ("tensor", micro shape, dtype) | ("value", repr)
+    shapes: Tuple[Any, ...]                    # per flat input: (full shape, dtype) | None
+    tensor_inputs: Tuple[int, ...]             # flat positions of the tensor inputs
+    reduction: ReductionType = ReductionType.Mean
+    threads_per_worker: Optional[int] = None
+    offload_optimizer: bool = False
+    record: bool = True
+    compile_seconds: float = 0.0
+    # derived in __post_init__
+    consumers: List[List[Tuple[int, int, int]]] = field(init=False)
+    host_outputs: List[List[Tuple[int, int]]] = field(init=False)
+    trainable: List[List[torch.nn.Parameter]] = field(init=False)
+    loss_stage: Optional[int] = field(init=False)
+    loss_item: int = field(init=False)
+    keep_rows: Optional[FrozenSet[int]] = field(init=False)
+    # (stage, replica >= 1) -> that replica's copy of a stage module with buffers
+    replica_modules: Dict[Tuple[int, int], torch.nn.Module] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from ..core.batching import kept_rows
+
+        part, n = self.partition, self.partition.num_stages
+        derived: Dict[str, Any] = {"replica_modules": {}, "loss_stage": None, "loss_item": 0}
+        derived["consumers"] = [[(c, pos, 0 if item is None else item)
+                                 for c, pos, item in part.consumers(s)] for s in range(n)]
+        host: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
+        for j, ref in enumerate(part.outputs):
+            if ref.kind == "stage":
+                host[ref.index].append((j, 0 if ref.item is None else ref.item))
+        derived["host_outputs"] = host
+        derived["trainable"] = [[p for p in st.parameters if p.requires_grad]
+                                for st in part.stages]
+        if part.loss_output is not None and self.training:
+            ref = part.outputs[part.loss_output]
+            if ref.kind == "stage":
+                derived["loss_stage"] = ref.index
+                derived["loss_item"] = 0 if ref.item is None else ref.item
+        derived["keep_rows"] = kept_rows(self.output_mode, self.output_period, self.batching)
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    # -- where things run ----------------------------------------------------------
+    @property
+    def stage_ipus(self) -> List[int]:
+        return [st.ipu for st in self.partition.stages]
+
+    def device_of(self, stage: int) -> torch.device:
+        return self.devices.get(self.partition.stages[stage].ipu, torch.device("cpu"))
+
+    def module_for(self, stage: int, replica: int) -> torch.nn.Module:
+        """The module replica ``replica`` runs for ``stage`` (see :meth:`prepare_replicas`)."""
+        mine = self.replica_modules.get((stage, replica))
+        return self.partition.stages[stage].module if mine is None else mine
+
+    def prepare_replicas(self, replicas: int) -> None:
+        """Give replicas 1.. their own buffers, starting from the host's (replica 0's).
+
+        Replicas share the weights, but each has its own buffers (BatchNorm
+        statistics), as each IPU replica had: a replica's statistics see only
+        its own micro-batches, and replicas never race on one tensor. Replica 0
+        runs the user's modules, so the host keeps replica 0's statistics.
+        Called before each call's workers start: copies are made once, then
+        refreshed from the host, so they never go stale.
+        """
+        if replicas <= 1:
+            return
+        for index, stage in enumerate(self.partition.stages):
+            original = stage.module
+            if next(original.buffers(), None) is None:
+                continue
+            for replica in range(1, replicas):
+                mine = self.replica_modules.get((index, replica))
+                if mine is None:
+                    shared = {id(p): p for p in original.parameters()}  # deepcopy keeps these
+                    self.replica_modules[(index, replica)] = copy.deepcopy(original, shared)
+                    continue
+                with torch.no_grad():
+                    for theirs, own in zip(original.buffers(), mine.buffers()):
+                        own.copy_(theirs)
+                for theirs, own in zip(original.modules(), mine.modules()):
+                    own.training = theirs.training
+
+    def loss_of(self, outs) -> Optional[torch.Tensor]:
+        """The loss the loss stage's backward starts from (None when it needs no gradient)."""
+        loss = outs[self.loss_item]
+        if not loss.requires_grad:
+            return None
+        if loss.dim() > 0 and not self.partition.loss_marked:
+            raise LossError(
+                f"The loss (the model's output used as loss, shape {list(loss.shape)}) is not "
+                "a scalar, so there is no single number to minimise. Reduce it (e.g. "
+                "loss.mean()), or mark the loss with ipukit.identity_loss(loss, reduction="
+                "'mean'|'sum'|'none'); a training model must return its loss (PopTorch's rule: "
+                "'return output, loss').")
+        return loss
+
+    # -- what later calls must match -------------------------------------------------
+    def same_inputs(self, flat: List[Any], spec) -> bool:
+        """The cheap check on every call: same structure, shapes and dtypes as compiled."""
+        if len(flat) != len(self.shapes) or spec != self.in_spec:
+            return False
+        for v, expected, sig in zip(flat, self.shapes, self.signature):
+            if expected is None:
+                if isinstance(v, torch.Tensor) or repr(v) != sig[1]:
+                    return False
+            elif not isinstance(v, torch.Tensor) or v.shape != expected[0] \
+                    or v.dtype != expected[1]:
+                return False
+        return True
+
+
+def micro_shape(v: torch.Tensor, factor: int) -> Tuple[int, ...]:
+    shape = list(v.shape)
+    if shape:
+        shape[0] //= factor
+    return tuple(shape)
+
+
+def signature_of(flat: List[Any], factor: int) -> Tuple[Any, ...]:
+    """Per flat input: a tensor's micro-batch shape and dtype, or a value's repr."""
+    return tuple(("tensor", micro_shape(v, factor), v.dtype) if isinstance(v, torch.Tensor)
+                 else ("value", repr(v)) for v in flat)

@@ -1,0 +1,121 @@
+"""Anchored tensors: reading a training step's gradients and updated weights after a call.
+
+PopTorch programs name internal tensors with PopART's names and read them back:
+``opts.anchorTensor("grad_fc1", "Gradient___fc1.weight")``, then
+``model.getAnchoredTensor("grad_fc1")`` after a call. ipukit provides the two
+kinds such programs anchor, for every trainable parameter ``<name>`` of the
+wrapped module (``named_parameters()`` names):
+
+- ``Gradient___<name>``: the gradient of one micro-batch's loss with respect to
+  the parameter (before accumulation and the Mean/Sum reduction), one value per
+  micro-batch, like a model output;
+- ``UpdatedVar___<name>``: the parameter after an optimiser step, one value per
+  iteration (device iteration).
+
+Values are returned as a model output would be under the anchor's output mode
+(by default the model's own): ``Final`` the last value, ``All`` every value
+concatenated on dimension 0, ``EveryN`` every N-th, ``Sum`` their sum.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import batching as microbatch
+from .enums import OutputMode
+from .errors import OptionsError
+
+GRADIENT = "Gradient___"
+UPDATED = "UpdatedVar___"
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """One ``Options.anchorTensor`` request."""
+
+    short_name: str
+    long_name: str
+    output_mode: Optional[OutputMode]  # None: the model's output mode
+    output_return_period: int = 1
+
+
+def tensor_names(module: torch.nn.Module, training: bool) -> List[str]:
+    """The names a model can anchor (PopTorch's ``getTensorNames()``)."""
+    if not training:
+        return []
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    return [GRADIENT + n for n in names] + [UPDATED + n for n in names]
+
+
+def check(anchors: Sequence[Anchor], module: torch.nn.Module, training: bool) -> None:
+    """Refuse anchors the model cannot provide, naming what it can."""
+    available = tensor_names(module, training)
+    for anchor in anchors:
+        if anchor.long_name in available:
+            continue
+        if not training:
+            why = ("an inference model has no gradients or weight updates to anchor; "
+                   "return the tensor from forward() instead")
+        else:
+            close = difflib.get_close_matches(anchor.long_name, available, n=2, cutoff=0.6)
+            why = (f"did you mean {' or '.join(close)}? " if close else "") + (
+                "ipukit can anchor Gradient___<parameter> and UpdatedVar___<parameter> "
+                "for the model's trainable parameters (model.getTensorNames() lists them); "
+                "to observe an activation, return it from forward()")
+        raise OptionsError(f"Options.anchorTensor({anchor.short_name!r}, "
+                           f"{anchor.long_name!r}): the model has no such tensor: {why}.")
+
+
+class AnchorRecorder:
+    """Collects the anchored values of one call; the executor feeds it."""
+
+    def __init__(self, anchors: Sequence[Anchor], trainable: List[List[torch.nn.Parameter]],
+                 names: Dict[int, str], micro_batches: int, iterations: int) -> None:
+        self.anchors = list(anchors)
+        wanted = {a.long_name for a in self.anchors}
+        # (stage, index in the stage's trainable list) -> anchored gradient name
+        self.gradients: Dict[Tuple[int, int], str] = {}
+        self.updated: List[Tuple[str, torch.nn.Parameter]] = []
+        for s, params in enumerate(trainable):
+            for i, p in enumerate(params):
+                name = names.get(id(p))
+                if name is None:
+                    continue
+                if GRADIENT + name in wanted:
+                    self.gradients[(s, i)] = GRADIENT + name
+                if UPDATED + name in wanted:
+                    self.updated.append((UPDATED + name, p))
+        self.per_micro_batch: List[Dict[str, torch.Tensor]] = [{} for _ in range(micro_batches)]
+        self.per_iteration: List[Dict[str, torch.Tensor]] = [{} for _ in range(iterations)]
+
+    def gradient(self, index: int, stage: int, position: int, param: torch.nn.Parameter,
+                 grad: Optional[torch.Tensor]) -> None:
+        """Record micro-batch ``index``'s gradient for a stage's trainable parameter."""
+        name = self.gradients.get((stage, position))
+        if name is not None:
+            value = torch.zeros_like(param) if grad is None else grad
+            self.per_micro_batch[index][name] = value.detach().to("cpu", copy=True)
+
+    def step_done(self, iteration: int) -> None:
+        """Record the weights just updated by iteration ``iteration``'s step."""
+        for name, p in self.updated:
+            self.per_iteration[iteration][name] = p.detach().to("cpu", copy=True)
+
+    def results(self, default_mode: OutputMode, batching: microbatch.Batching
+                ) -> Dict[str, torch.Tensor]:
+        """Each anchor's value for the call, shaped by its output mode."""
+        by_iteration = microbatch.Batching(batching.device_iterations, 1, 1)
+        out = {}
+        for anchor in self.anchors:
+            mode = default_mode if anchor.output_mode is None else anchor.output_mode
+            if anchor.long_name.startswith(GRADIENT):
+                rows, shape = self.per_micro_batch, batching
+            else:
+                rows, shape = self.per_iteration, by_iteration
+            column = [[row[anchor.long_name]] for row in rows]
+            out[anchor.short_name] = microbatch.gather(column, mode,
+                                                       anchor.output_return_period, shape)[0]
+        return out

@@ -1,0 +1,235 @@
+"""Block annotations: PopTorch's ``Block``, ``BeginBlock``, ``BlockFunction``.
+
+Outside an ipukit model the annotations do nothing, so an annotated model
+still runs as plain PyTorch. While ipukit traces a model, a :class:`BlockRecorder`
+is active: every block entered is mapped to a (stage id, IPU) by the execution
+strategy, and each time execution moves to another IPU a
+``torch.distributed.pipelining.pipe_split()`` marker is inserted into the
+trace — that is where :mod:`ipukit.partition` cuts the model into stages.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch.distributed.pipelining import pipe_split
+
+from .errors import BlockError
+
+# The recorder of the trace running in this thread (or context). A ContextVar, not a
+# global behind a lock: a notebook's dashboard thread and the notebook itself can
+# record blocks at the same time without seeing each other's.
+_recorder: "contextvars.ContextVar[Optional[BlockRecorder]]" = contextvars.ContextVar(
+    "ipukit_block_recorder", default=None)
+
+
+@dataclass
+class Segment:
+    """A maximal run of the trace on one IPU: one pipeline stage."""
+
+    ipu: int
+    blocks: List[str] = field(default_factory=list)
+    stage_ids: List[int] = field(default_factory=list)
+    recompute: bool = False  # a module in it asked for recomputation
+
+
+class BlockRecorder:
+    """Collects the blocks of one trace and inserts the stage cuts."""
+
+    def __init__(self, assigner, split_stages: bool = False) -> None:
+        self.assigner = assigner
+        # Schedules with several stages per IPU (a loop, a V) need a cut wherever the
+        # stage changes, even on the same IPU; otherwise consecutive blocks on one IPU
+        # form one stage, PopTorch's rule.
+        self.split_stages = split_stages
+        self.segments: List[Segment] = []
+        self.entered: List[str] = []
+        self._stack: List[tuple] = []
+        self.in_block = False
+        self.closed_a_block = False
+        self.ops_outside: List[str] = []
+
+    def begin(self, user_id: Optional[str], ipu_id: Optional[int]) -> str:
+        if user_id is None:
+            user_id = self.assigner.next_auto_id()
+        stage_id, ipu = self.assigner.assign(str(user_id), ipu_id)
+        last = self.segments[-1] if self.segments else None
+        if last is None or last.ipu != ipu or (self.split_stages and stage_id not in last.stage_ids):
+            if last is not None:
+                pipe_split()
+            self.segments.append(Segment(ipu))
+        seg = self.segments[-1]
+        if user_id not in seg.blocks:
+            seg.blocks.append(user_id)
+        if stage_id not in seg.stage_ids:
+            seg.stage_ids.append(stage_id)
+        if user_id not in self.entered:
+            self.entered.append(user_id)
+        self.in_block = True
+        return user_id
+
+    def push(self, user_id: Optional[str], ipu_id: Optional[int]) -> None:
+        resolved = self.begin(user_id, ipu_id)
+        self._stack.append((resolved, ipu_id))
+
+    def pop(self) -> None:
+        if self._stack:
+            self._stack.pop()
+        if self._stack:  # back in the enclosing block
+            outer_id, outer_ipu = self._stack[-1]
+            self.begin(outer_id, outer_ipu)
+        else:
+            self.in_block = False
+            self.closed_a_block = True
+
+
+def active_recorder() -> Optional[BlockRecorder]:
+    """The block recorder of the trace running in this context, or None outside a trace."""
+    return _recorder.get()
+
+
+def note_recompute() -> None:
+    """While tracing: the stage being recorded recomputes its forward in its backward.
+
+    A traced stage is one graph, so the recomputation a module asks for (see
+    :func:`ipukit.recomputation_checkpoint`) applies to the whole stage holding it.
+    """
+    recorder = _recorder.get()
+    if recorder is not None and recorder.segments:
+        recorder.segments[-1].recompute = True
+
+
+def set_recorder(recorder: Optional[BlockRecorder]) -> Optional[BlockRecorder]:
+    """Install ``recorder`` for the duration of a trace (in this context); returns the previous."""
+    previous = _recorder.get()
+    _recorder.set(recorder)
+    return previous
+
+
+class Block:
+    """A context manager naming a part of the model.
+
+    >>> with ipukit.Block("B1", ipu_id=0):
+    ...     x = self.layer1(x)
+
+    Blocks with the same ``user_id`` are one block. Stages group blocks
+    (see :class:`~ipukit.Stage`); with no explicit stages, a block's
+    ``ipu_id`` decides its stage (:class:`~ipukit.AutoStage`).
+    """
+
+    def __init__(self, user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
+        if ipu_id is not None and (not isinstance(ipu_id, int) or ipu_id < 0):
+            raise BlockError(f"Block({user_id!r}, ipu_id={ipu_id!r}): ipu_id must be an int >= 0.")
+        self._user_id = user_id
+        self._ipu_id = ipu_id
+
+    def __enter__(self) -> "Block":
+        rec = active_recorder()
+        if rec is not None:
+            rec.push(self._user_id, self._ipu_id)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        rec = active_recorder()
+        if rec is not None:
+            rec.pop()
+
+    @staticmethod
+    def start(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
+        """Start a block that lasts until the next block starts (no ``with`` needed)."""
+        rec = active_recorder()
+        if rec is not None:
+            rec.begin(user_id, ipu_id)
+
+    @staticmethod
+    def useAutoId() -> None:
+        """Restart automatic block ids ("0", "1", ...) — call at the top of ``forward``."""
+        rec = active_recorder()
+        if rec is not None:
+            rec.assigner.reset_auto_id()
+
+    def __repr__(self) -> str:
+        return f"Block({self._user_id!r}, ipu_id={self._ipu_id!r})"
+
+
+class _BlockHook:
+    """Forward pre-hook that starts a block when a module runs (``BeginBlock``)."""
+
+    def __init__(self, user_id: Optional[str], ipu_id: Optional[int]) -> None:
+        self.user_id = user_id
+        self.ipu_id = ipu_id
+
+    def __call__(self, module, args) -> None:
+        rec = active_recorder()
+        if rec is not None:
+            if self.user_id is None:
+                self.user_id = rec.assigner.next_auto_id()
+            rec.begin(self.user_id, self.ipu_id)
+
+    def __repr__(self) -> str:
+        return f"BeginBlock(user_id={self.user_id!r}, ipu_id={self.ipu_id!r})"
+
+
+class _BeginBlockFunction:
+    """``BeginBlock`` applied to a plain callable."""
+
+    def __init__(self, fn: Callable, user_id, ipu_id) -> None:
+        self._fn = fn
+        self._hook = _BlockHook(user_id, ipu_id)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        self._hook(None, args)
+        return self._fn(*args, **kwargs)
+
+
+def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+    """Start a block whenever ``layer_to_call`` (a module) runs; returns the module."""
+    if not isinstance(layer_to_call, torch.nn.Module):
+        if callable(layer_to_call):
+            return _BeginBlockFunction(layer_to_call, user_id, ipu_id)
+        raise BlockError(
+            f"BeginBlock({layer_to_call!r}): expected a torch.nn.Module or a function.")
+    if any(isinstance(h, _BlockHook) for h in layer_to_call._forward_pre_hooks.values()):
+        raise BlockError(
+            f"BeginBlock: {type(layer_to_call).__name__} has already been assigned to a block; "
+            "call ipukit.removeBlocks(module) first to re-assign it.")
+    layer_to_call.register_forward_pre_hook(_BlockHook(user_id, ipu_id))
+    return layer_to_call
+
+
+def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+    """Decorator: the decorated function runs inside ``Block(user_id, ipu_id)``."""
+
+    def decorator(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            with Block(user_id, ipu_id):
+                return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorator
+
+
+def begin_blocks(module: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optional[str], Optional[int]]]:
+    """ipukit: every ``BeginBlock`` annotation in ``module``, as (sub-module, user_id, ipu_id).
+
+    A block's ``user_id`` is ``None`` until the module first runs inside a
+    recording (PopTorch numbers unnamed blocks in the order they start).
+    """
+    return [(m, h.user_id, h.ipu_id) for m in module.modules()
+            for h in m._forward_pre_hooks.values() if isinstance(h, _BlockHook)]
+
+
+def removeBlocks(module: torch.nn.Module) -> torch.nn.Module:
+    """Remove every ``BeginBlock`` annotation from ``module`` and its sub-modules."""
+    if not isinstance(module, torch.nn.Module):
+        raise BlockError(f"removeBlocks({module!r}): expected a torch.nn.Module.")
+    for m in module.modules():
+        for key in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, _BlockHook)]:
+            del m._forward_pre_hooks[key]
+    return module

@@ -1,0 +1,69 @@
+"""The ipukit error family.
+
+Every error a user can provoke is an :class:`Error`, so ``except ipukit.Error``
+catches them all.  Subclasses also derive from the built-in exception PopTorch
+raised in the same situation (``AttributeError`` for frozen or unknown options,
+``ValueError`` for bad values), so code written against PopTorch keeps working.
+
+Messages follow PopTorch's model: name the option, the value, and the fix.
+"""
+
+
+class Error(RuntimeError):
+    """Base class of every error raised by ipukit."""
+
+
+class OptionsError(Error, ValueError):
+    """An option has a value ipukit cannot use."""
+
+
+class ConfigFileError(OptionsError):
+    """A line of an options config file (or JSON) that is not a setter call ipukit can read."""
+
+
+class FrozenOptionsError(Error, AttributeError):
+    """Options were modified after being handed to a model or DataLoader."""
+
+
+class UnknownOptionError(Error, AttributeError):
+    """An option (method or attribute) that neither PopTorch nor ipukit defines."""
+
+
+class BatchSizeError(Error, ValueError):
+    """An input's batch dimension does not fit the combined batch size."""
+
+
+class InputShapeError(Error, ValueError):
+    """A compiled model was called with inputs of another shape or structure."""
+
+
+class PipelineConfigError(Error, ValueError):
+    """Stages, blocks and batching options that cannot be combined."""
+
+
+class BlockError(Error):
+    """A Block annotation that cannot be mapped onto stages."""
+
+
+class TracingError(Error):
+    """The model could not be traced and split into stages."""
+
+
+class OperationError(Error, ValueError):
+    """A PopTorch operation (``for_loop``, ``dynamic_slice``, ...) got arguments it cannot use."""
+
+
+class UnsupportedError(Error, NotImplementedError):
+    """A PopTorch feature that needs IPU hardware or the Poplar SDK."""
+
+
+class ModelStateError(Error):
+    """A model method was called in a state that does not allow it."""
+
+
+class DataError(Error):
+    """A dataset could not be found or loaded."""
+
+
+class LossError(Error, ValueError):
+    """The model's loss cannot be trained on (not a scalar, no loss output)."""

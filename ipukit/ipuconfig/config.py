@@ -1,0 +1,390 @@
+"""optimum-graphcore's ``IPUConfig`` (``ipu_config.json``), turned into ipukit :class:`~ipukit.Options`.
+
+Hugging Face's optimum-graphcore configured every Graphcore model with an
+``IPUConfig``: a JSON-serialisable object published as ``ipu_config.json`` beside
+each model on the Hub. It turns into PopTorch options (:meth:`IPUConfig.to_options`)
+and places a transformer's layers on IPUs from ``layers_per_ipu``
+(:func:`get_layer_ipu`). This module reimplements its behaviour (optimum-graphcore
+0.7) for ipukit:
+
+* every attribute with optimum's default, type and minimum, checked on every
+  assignment; the cross-checks between attributes at construction (and after
+  ``from_pretrained`` overrides and ``update_from_string``);
+* the inference twins (``inference_layers_per_ipu`` ...) and their fallbacks,
+  and ``train()``/``eval()`` modes that switch the mode-dependent attributes
+  (``_layers_per_ipu``, ``_ipus_per_replica``, ``_matmul_proportion`` ...);
+* ``to_dict``/``to_json_string``/``save_pretrained``/``from_pretrained``/
+  ``from_dict``/``update_from_string``/``batch_size_factor``;
+* :func:`get_layer_ipu`, :func:`split_encoder_decoder_ipu_config` and
+  :func:`recomputation_checkpoint` with optimum's names.
+
+Settings that only mattered to the IPU compiler (available-memory proportion,
+half partials, serialised embeddings and projections, replicated tensor
+sharding, the executable cache, automatic loss scaling, explicit IR) are
+accepted and have no effect: :meth:`IPUConfig.ignored_settings` lists the ones
+a configuration sets, and :meth:`IPUConfig.to_options` records the ones that
+have a PopTorch setter under ``"ignored"`` in ``Options.toDict()``.
+
+Older Hub files (see the README's "IPUConfig" section): ``optimum_version`` and
+``transformers_version`` are metadata and are dropped;
+``enable_half_first_order_momentum`` and ``sharded_execution_for_inference`` are
+deprecated, dropped with a warning (as optimum did); a serialisation factor of
+``0`` (older files' "not serialised") reads as unset, i.e. ``1``, with a warning.
+Any other unknown key is an :class:`IncompatibleIPUConfigError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..core.errors import UnknownOptionError
+from .io import IPU_CONFIG_NAME, _IPUConfigFiles
+from .options import _IPUConfigOptions
+# the rules, and names that have always been importable from here
+from .rules import (ATTRIBUTES, DEPRECATED_KEYS, MANAGED, METADATA_KEYS, MODES, OUTPUT_MODES, _SPEC, IncompatibleIPUConfigError, IPUConfigError, IPUConfigTypeError, _check_value, _is_int, _unknown_keys_error, cross_check, read_legacy)
+
+
+class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
+    """optimum-graphcore's IPU configuration: batching, placement and IPU compiler settings.
+
+    >>> config = IPUConfig(layers_per_ipu=[2, 2, 2, 2], gradient_accumulation_steps=8)
+    >>> opts = config.to_options()                       # ipukit.Options for training
+    >>> get_layer_ipu(config, 8)
+    [0, 0, 1, 1, 2, 2, 3, 3]
+
+    Every keyword is an attribute (see the README's "IPUConfig" section for the
+    full list and defaults); an unknown keyword is an :class:`IncompatibleIPUConfigError`.
+    This class holds the attributes, their checks on assignment and the
+    training/inference modes; serialisation is inherited from
+    :mod:`ipukit.ipu_config_io`, the conversion to Options from
+    :mod:`ipukit.ipu_config_options`; the rules live in :mod:`ipukit.ipu_config_rules`.
+    """
+
+    CONFIG_NAME = IPU_CONFIG_NAME
+    FULL_CONFIGURATION_FILE = IPU_CONFIG_NAME
+    modes = MODES
+
+    def __init__(self, replication_factor: int = 1, inference_replication_factor: int = 1,
+                 gradient_accumulation_steps: int = 1, layers_per_ipu: List[int] = (-1,),
+                 inference_layers_per_ipu: Optional[List[int]] = None,
+                 ipus_per_replica: Optional[int] = None,
+                 inference_ipus_per_replica: Optional[int] = None,
+                 optimizer_state_offchip: bool = False, replicated_tensor_sharding: bool = False,
+                 matmul_proportion: Union[float, List[float]] = 0.2,
+                 inference_matmul_proportion: Optional[Union[float, List[float]]] = None,
+                 enable_half_partials: bool = True,
+                 embedding_serialization_factor: Optional[int] = None,
+                 inference_embedding_serialization_factor: Optional[int] = None,
+                 serialized_embedding_splits_per_ipu: Optional[List[int]] = None,
+                 inference_serialized_embedding_splits_per_ipu: Optional[List[int]] = None,
+                 projection_serialization_factor: Optional[int] = None,
+                 inference_projection_serialization_factor: Optional[int] = None,
+                 serialized_projection_splits_per_ipu: Optional[List[int]] = None,
+                 inference_serialized_projection_splits_per_ipu: Optional[List[int]] = None,
+                 recompute_checkpoint_every_layer: bool = False, device_iterations: int = 1,
+                 inference_device_iterations: int = 1, output_mode: str = "final",
+                 seed: Optional[int] = None, auto_loss_scaling: bool = False,
+                 executable_cache_dir: str = "", explicit_ir_inference: bool = False,
+                 parallelize_kwargs: Optional[Dict[str, Any]] = None,
+                 inference_parallelize_kwargs: Optional[Dict[str, Any]] = None,
+                 **kwargs: Any) -> None:
+        object.__setattr__(self, "_mode", "training")
+        object.__setattr__(self, "_notes", [])   # what loading an older file changed
+        args = dict(locals())
+        for drop in ("self", "kwargs", "__class__"):
+            args.pop(drop, None)
+        if isinstance(layers_per_ipu, tuple):
+            args["layers_per_ipu"] = list(layers_per_ipu)
+        args["execute_encoder_on_cpu_for_generation"] = kwargs.pop(
+            "execute_encoder_on_cpu_for_generation", False)
+        read_legacy(args, kwargs, self._notes)
+        if kwargs:
+            raise _unknown_keys_error(kwargs, "received")
+
+        self.seed = args["seed"]
+        self.layers_per_ipu = args["layers_per_ipu"]
+        # the inference twins fall back to the training values (copies: never aliased)
+        self.inference_layers_per_ipu = args["inference_layers_per_ipu"] or self.layers_per_ipu
+        self.ipus_per_replica = args["ipus_per_replica"] or len(self.layers_per_ipu)
+        fallback = self.ipus_per_replica
+        if fallback == len(self.layers_per_ipu) or self.inference_layers_per_ipu != [-1]:
+            fallback = len(self.inference_layers_per_ipu)
+        self.inference_ipus_per_replica = args["inference_ipus_per_replica"] or fallback
+        self.matmul_proportion = args["matmul_proportion"]
+        fallback = copy.copy(self.matmul_proportion)
+        if isinstance(fallback, list) and len(fallback) != self.inference_ipus_per_replica:
+            fallback = 0.2   # a per-IPU list that does not fit inference: the default
+        self.inference_matmul_proportion = args["inference_matmul_proportion"] or fallback
+        for name in ("parallelize_kwargs", "inference_parallelize_kwargs"):
+            args[name] = {} if args[name] is None else args[name]
+        for name in ATTRIBUTES:
+            if name not in self.__dict__:
+                setattr(self, name, args[name])
+        self._validate_ipu_config()
+
+    # -- attribute validation ---------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SPEC:
+            _check_value(name, value)
+            object.__setattr__(self, name, copy.deepcopy(value))
+        elif name == "mode":
+            type(self).mode.fset(self, value)
+        elif name.startswith("_") and name[1:] in MANAGED:
+            setattr(self, self._get_managed_attr_mode_name(name[1:]), value)
+        elif name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            raise _unknown_keys_error([name], "cannot set")
+
+    def __getattr__(self, name: str):
+        # only reached for names that are not set: the mode-dependent views and typos
+        if name.startswith("_") and name[1:] in MANAGED:
+            return getattr(self, self._get_managed_attr_mode_name(name[1:]))
+        if name.startswith("_"):
+            raise AttributeError(name)
+        close = difflib.get_close_matches(name, ATTRIBUTES, n=1, cutoff=0.6)
+        raise UnknownOptionError(
+            f"IPUConfig has no attribute {name!r}." + (f" Did you mean {close[0]!r}?" if close
+                                                       else " See the README's IPUConfig section."))
+
+    # -- modes -------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """``"training"`` or ``"inference"``: which twin the ``_attribute`` views read and write."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES:
+            raise IPUConfigError(
+                f"IPUConfig.mode = {value!r}: use one of {list(MODES)}, or call "
+                "ipu_config.train() / ipu_config.eval().")
+        object.__setattr__(self, "_mode", value)
+
+    def train(self) -> "IPUConfig":
+        """Training mode: ``_layers_per_ipu`` and the other views read the training values."""
+        self.mode = "training"
+        return self
+
+    def eval(self) -> "IPUConfig":
+        """Inference mode: the views read ``inference_layers_per_ipu`` and the other twins."""
+        self.mode = "inference"
+        return self
+
+    def _get_managed_attr_mode_name(self, attr: str) -> str:
+        """The attribute a mode-dependent view refers to in the current mode."""
+        if attr in MANAGED and self._mode == "inference":
+            return f"inference_{attr}"
+        return attr
+
+    @contextlib.contextmanager
+    def _in_mode(self, mode: str) -> Iterator["IPUConfig"]:
+        """Read and write ``mode``'s views for a while, then return to the current mode."""
+        old_mode = self._mode
+        self.mode = mode
+        try:
+            yield self
+        finally:
+            object.__setattr__(self, "_mode", old_mode)
+
+    # -- cross-checks --------------------------------------------------------------
+    def _validate_ipu_config(self) -> "IPUConfig":
+        """The rules between attributes, in both modes (:func:`.ipu_config_rules.cross_check`)."""
+        return cross_check(self)
+
+    @property
+    def legacy_notes(self) -> List[str]:
+        """What loading this configuration dropped or reinterpreted (older Hub files)."""
+        return list(self._notes)
+
+    # -- the rest of the object protocol ------------------------------------------------
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, IPUConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"IPUConfig {self.to_json_string()}"
+
+    def __deepcopy__(self, memo):
+        clone = type(self).__new__(type(self))
+        for key, value in self.__dict__.items():
+            object.__setattr__(clone, key, copy.deepcopy(value, memo))
+        return clone
+
+
+# -- placement helpers (optimum-graphcore's modeling_utils names) ---------------------
+def _expand_layers_per_ipu_wildcard(ipu_config: IPUConfig,
+                                    target_number_of_layers: Optional[Union[int, Sequence]] = None
+                                    ) -> List[int]:
+    """``layers_per_ipu`` (of the config's current mode) with ``-1`` wildcards resolved.
+
+    ``[-1]`` (or all ``-1``) spreads the layers evenly over ``ipus_per_replica``
+    IPUs, the remainder going to the last IPU; ``-1`` entries mixed with counts
+    share what the counts leave, the remainder on the last wildcard IPU. With one
+    IPU every layer goes on IPU 0.
+    """
+    layers = list(ipu_config._layers_per_ipu)
+    layers_name = ipu_config._get_managed_attr_mode_name("layers_per_ipu")
+    ipus = ipu_config._ipus_per_replica
+    ipus_name = ipu_config._get_managed_attr_mode_name("ipus_per_replica")
+    if target_number_of_layers is None:
+        return layers
+    if not _is_int(target_number_of_layers):
+        target_number_of_layers = len(target_number_of_layers)
+    total = target_number_of_layers
+    if ipus == 1:
+        if -1 not in layers and sum(layers) != total:
+            raise IncompatibleIPUConfigError(
+                f"IPUConfig.{layers_name}={layers} places {sum(layers)} layers but the model "
+                f"has {total}. Set {layers_name}=[{total}] or [-1].")
+        return [total]
+    if layers in ([-1], [-1] * ipus):
+        quotient, remainder = divmod(total, ipus)
+        layers = [quotient] * ipus
+        layers[-1] += remainder
+        return layers
+    if len(layers) != ipus:
+        raise IncompatibleIPUConfigError(
+            f"IPUConfig.{layers_name}={layers} has {len(layers)} entries but {ipus_name}={ipus}. "
+            f"Give one entry per IPU (or [-1] to split the {total} layers evenly).")
+    if -1 in layers:
+        wildcards = [i for i, n in enumerate(layers) if n == -1]
+        fixed = sum(n for n in layers if n != -1)
+        remaining = total - fixed
+        if remaining < 0:
+            raise IncompatibleIPUConfigError(
+                f"IPUConfig.{layers_name}={layers} places {fixed} layers on fixed IPUs but the "
+                f"model has only {total}, leaving {remaining} for the -1 entries. Lower the fixed "
+                "counts so they add up to at most the number of layers.")
+        quotient, remainder = divmod(remaining, len(wildcards))
+        for i in wildcards:
+            layers[i] = quotient
+        layers[wildcards[-1]] += remainder
+        return layers
+    if sum(layers) != total:
+        raise IncompatibleIPUConfigError(
+            f"IPUConfig.{layers_name}={layers} places {sum(layers)} layers but the model has "
+            f"{total}. Change the counts to add up to {total}, or use -1 entries.")
+    return layers
+
+
+def get_layer_ipu(ipu_config: IPUConfig,
+                  layers_or_count: Optional[Union[int, Sequence]] = None) -> List[int]:
+    """The IPU of each layer: ``[0, 0, 0, 1, 1, 1, ...]`` from ``layers_per_ipu``.
+
+    ``layers_or_count`` is the number of layers, or the layers themselves (a
+    ``ModuleList``); wildcards are expanded by :func:`_expand_layers_per_ipu_wildcard`.
+    """
+    if not isinstance(ipu_config, IPUConfig):
+        raise IPUConfigError(f"get_layer_ipu({ipu_config!r}, ...): expected an ipukit.IPUConfig.")
+    layer_ipu: List[int] = []
+    for ipu, count in enumerate(_expand_layers_per_ipu_wildcard(ipu_config, layers_or_count)):
+        layer_ipu += [ipu] * count
+    return layer_ipu
+
+
+def split_encoder_decoder_ipu_config(ipu_config: IPUConfig, num_encoder_layers: int,
+                                     num_decoder_layers: int) -> Tuple[IPUConfig, IPUConfig]:
+    """Split an encoder-decoder model's configuration into ``(encoder, decoder)`` configurations.
+
+    The expanded ``layers_per_ipu`` is cut where the encoder's layers end; the
+    encoder's part must span a power-of-two number of IPUs (the largest such cut
+    is taken). Per-IPU lists (``matmul_proportion``, serialised splits) are cut
+    the same way; serialised embedding splits must all be on the encoder,
+    serialised projection splits all on the decoder.
+    """
+    ipus_name = ipu_config._get_managed_attr_mode_name("ipus_per_replica")
+    layers_name = ipu_config._get_managed_attr_mode_name("layers_per_ipu")
+    if ipu_config._ipus_per_replica < 2:
+        raise IncompatibleIPUConfigError(
+            f"split_encoder_decoder_ipu_config: {ipus_name}={ipu_config._ipus_per_replica}; "
+            "splitting into encoder and decoder configurations needs at least 2 IPUs.")
+    layers = _expand_layers_per_ipu_wildcard(ipu_config, num_encoder_layers + num_decoder_layers)
+    cuts = [i + 1 for i in range(len(layers)) if sum(layers[:i + 1]) == num_encoder_layers]
+    cuts = [c for c in cuts if c & (c - 1) == 0]
+    if not cuts:
+        raise IncompatibleIPUConfigError(
+            f"split_encoder_decoder_ipu_config: cannot split {layers_name}="
+            f"{ipu_config._layers_per_ipu} (expanded {layers}) after {num_encoder_layers} encoder "
+            f"layers: encoder and decoder layers may not share an IPU, and the encoder's part "
+            "must use a power-of-two number of IPUs. Change layers_per_ipu accordingly.")
+    cut = max(cuts)
+    encoder, decoder = copy.deepcopy(ipu_config), copy.deepcopy(ipu_config)
+    encoder._layers_per_ipu, decoder._layers_per_ipu = layers[:cut], layers[cut:]
+    embedding = ipu_config._serialized_embedding_splits_per_ipu
+    if embedding is not None:
+        if sum(embedding[cut:]):
+            raise IncompatibleIPUConfigError(
+                f"split_encoder_decoder_ipu_config: serialized embedding splits {embedding} put "
+                f"{embedding[cut:]} on the decoder's IPUs; place them all on the encoder's.")
+        encoder._serialized_embedding_splits_per_ipu = embedding[:cut]
+        decoder._serialized_embedding_splits_per_ipu = None
+    projection = ipu_config._serialized_projection_splits_per_ipu
+    if projection is not None:
+        if sum(projection[:cut]):
+            raise IncompatibleIPUConfigError(
+                f"split_encoder_decoder_ipu_config: serialized projection splits {projection} put "
+                f"{projection[:cut]} on the encoder's IPUs; place them all on the decoder's.")
+        encoder._serialized_projection_splits_per_ipu = None
+        decoder._serialized_projection_splits_per_ipu = projection[cut:]
+    encoder._ipus_per_replica = len(encoder._layers_per_ipu)
+    decoder._ipus_per_replica = len(decoder._layers_per_ipu)
+    matmul = ipu_config._matmul_proportion
+    if isinstance(matmul, list):
+        encoder._matmul_proportion, decoder._matmul_proportion = matmul[:cut], matmul[cut:]
+    return encoder, decoder
+
+
+class _Recompute:
+    """``module.forward`` replaced: runs the class's forward under ``torch.utils.checkpoint``.
+
+    Kept as an object (not a closure) so that ``copy.deepcopy`` and ``torch.save`` of
+    the module carry it over to the copy.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        from ..core.blocks import note_recompute
+
+        note_recompute()  # while ipukit traces: its stage recomputes (see partition)
+        forward = type(self.module).forward
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, self.module, *args,
+                                                     use_reentrant=False, **kwargs)
+        return forward(self.module, *args, **kwargs)
+
+
+class RecomputationHandle:
+    """Returned by :func:`recomputation_checkpoint`; ``remove()`` restores the plain forward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        if isinstance(self.module.__dict__.get("forward"), _Recompute):
+            del self.module.__dict__["forward"]
+
+
+def recomputation_checkpoint(module: torch.nn.Module) -> RecomputationHandle:
+    """Keep only ``module``'s output for the backward pass and recompute its inside.
+
+    optimum-graphcore marked each layer's output as a recomputation checkpoint
+    (``poptorch.recomputationCheckpoint``). Here the module's forward runs under
+    ``torch.utils.checkpoint`` (non-reentrant) whenever gradients are recorded:
+    the activations inside the module are freed after the forward pass and
+    recomputed during the backward pass. This happens per module where it runs
+    eagerly (plain PyTorch, single-stage ipukit models); in a model traced into
+    several stages, the whole stage holding the module recomputes (a traced
+    stage is one graph; see the README). Returns a handle whose ``remove()``
+    undoes it.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise IPUConfigError(f"recomputation_checkpoint({module!r}): expected a torch.nn.Module.")
+    if not isinstance(module.__dict__.get("forward"), _Recompute):
+        module.forward = _Recompute(module)
+    return RecomputationHandle(module)

@@ -1,0 +1,184 @@
+"""``IPUStrategy``'s setup: the Trainer's settings turned into ipukit Options and loaders.
+
+A mixin of :class:`~ipukit.lightning.IPUStrategy`. At ``setup`` it refuses what
+ipukit cannot run (manual optimisation, gradient clipping between backward and
+step, accumulation schedules, batch-transfer hooks, several optimisers), builds
+one :class:`~ipukit.Options` per kind of run from ``devices``,
+``accumulate_grad_batches`` and ``device_iterations`` (or checks the user's own
+against them), and turns each ``DataLoader`` into an :class:`ipukit.DataLoader`
+whose batch is one whole ipukit call.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..data import DataLoader as _IpuDataLoader
+from .base import _CLIPPING_MESSAGE, _STAGE_KEY, LightningError
+from .steps import _guard_logging
+from ..core.options import Options
+
+from pytorch_lightning.callbacks import GradientAccumulationScheduler
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.model_helpers import is_overridden
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+_ONE_OPTIMIZER = (
+    "configure_optimizers() returned {count}; an ipukit training model steps one "
+    "optimiser inside each call. Return one optimizer (parameter groups give parts of the model "
+    "their own settings).")
+
+
+class _TrainerSetup:
+    """Setup, options and data loaders of ``IPUStrategy`` (state is made by its ``__init__``)."""
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        self._check_setup(trainer, module)
+        self._gradient_accumulation = int(trainer.accumulate_grad_batches)
+        self._opts = {}
+        self._models = {}
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._opts["train"] = self._options("train", trainer)
+        for stage in ("validate", "test", "predict"):
+            self._opts[stage] = self._options(stage, trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_max_steps(trainer)
+            # one Lightning batch is a whole ipukit call, accumulation included
+            self._saved_accumulation = trainer.accumulate_grad_batches
+            trainer.accumulate_grad_batches = 1
+        super().setup(trainer)
+        self._log_originals = _guard_logging(module)
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        try:
+            super().setup_optimizers(trainer)
+        except RuntimeError as exc:  # Lightning's own refusal of several optimizers
+            if "multiple optimizers" not in str(exc):
+                raise
+            raise LightningError(_ONE_OPTIMIZER.format(count="more than one optimizer")) from None
+        if len(self.optimizers) > 1:
+            raise LightningError(_ONE_OPTIMIZER.format(count=f"{len(self.optimizers)} optimizers"))
+
+    def _check_setup(self, trainer, module) -> None:
+        for hook in ("transfer_batch_to_device", "on_after_batch_transfer"):
+            if is_overridden(hook, module):
+                raise LightningError(
+                    f"{type(module).__name__}.{hook} is overridden, but on ipukit the batch "
+                    "goes to the virtual IPUs inside the model call, so the hook would never "
+                    "see it there. Remove the override; prepare batches in the dataset, the "
+                    "collate_fn or on_before_batch_transfer instead.")
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if not module.automatic_optimization:
+            raise LightningError(
+                f"{type(module).__name__}.automatic_optimization is False: ipukit runs the "
+                "backward pass and the optimiser step inside the model call, so manual "
+                "optimisation cannot work. Use automatic optimisation (return the loss from "
+                "training_step).")
+        if trainer.gradient_clip_val is not None and trainer.gradient_clip_val > 0:
+            raise LightningError(_CLIPPING_MESSAGE.format(value=trainer.gradient_clip_val))
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise LightningError(
+                "GradientAccumulationScheduler changes accumulate_grad_batches during training, "
+                "but an ipukit training model is compiled for one gradientAccumulation. Use a "
+                "fixed Trainer(accumulate_grad_batches=N).")
+
+    def _check_max_steps(self, trainer) -> None:
+        di = self._opts["train"].device_iterations
+        max_steps = trainer.max_steps
+        if max_steps is not None and max_steps > 0 and max_steps % di:
+            raise LightningError(
+                f"Trainer(max_steps={max_steps}) is not a multiple of device_iterations ({di}): "
+                f"each ipukit call makes {di} optimiser steps, so training would stop at "
+                f"{-(-max_steps // di) * di}. Set max_steps to a multiple of {di}.")
+
+    def _options(self, stage: str, trainer) -> Options:
+        training = stage == "train"
+        user = self._user_training_opts if training else self._user_inference_opts
+        ga = int(trainer.accumulate_grad_batches) if training else 1
+        replicas = self.replication_factor
+        if user is None:
+            opts = Options().deviceIterations(self.device_iterations)
+            if replicas > 1:
+                opts.replicationFactor(replicas)
+            if training and ga > 1:
+                opts.Training.gradientAccumulation(ga)
+            seed = os.environ.get("PL_GLOBAL_SEED")
+            if seed is not None:
+                opts.randomSeed(int(seed))
+        else:
+            opts = user.clone()
+            which = "training_opts" if training else "inference_opts"
+            if replicas > 1 and opts.replication_factor != replicas:
+                if opts.replication_factor != 1:
+                    raise LightningError(
+                        f"Trainer(devices={replicas}) and IPUStrategy({which}) with "
+                        f"replicationFactor({opts.replication_factor}) disagree; devices is the "
+                        "replication factor. Set one of them only, or both to the same value.")
+                opts.replicationFactor(replicas)
+            if training and ga > 1 and opts.Training.gradient_accumulation != ga:
+                if opts.Training.gradient_accumulation != 1:
+                    raise LightningError(
+                        f"Trainer(accumulate_grad_batches={ga}) and IPUStrategy(training_opts) "
+                        f"with Training.gradientAccumulation({opts.Training.gradient_accumulation}) "
+                        "disagree. Set one of them only, or both to the same value.")
+                opts.Training.gradientAccumulation(ga)
+        if not opts.model_name:
+            opts.modelName({"train": "training", "validate": "validation"}.get(stage, stage))
+        return opts
+
+    @property
+    def training_opts(self) -> Options:
+        """The options of the training model (built at setup)."""
+        return self._opts.get("train") or self._user_training_opts
+
+    @property
+    def inference_opts(self) -> Options:
+        """The options of the validation model (built at setup)."""
+        return self._opts.get("validate") or self._user_inference_opts
+
+    # -- data --------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        """Each loader becomes an ``ipukit.DataLoader``: a batch is one whole ipukit call."""
+        if isinstance(dataloader, _IpuDataLoader):
+            return dataloader
+        if not isinstance(dataloader, torch.utils.data.DataLoader):
+            return dataloader
+        trainer = self.lightning_module.trainer
+        stage = _STAGE_KEY.get(trainer.state.stage, "validate")
+        opts = self._opts.get(stage) or self._opts.get("validate")
+        batch_size, sampler = dataloader.batch_size, dataloader.sampler
+        inner = getattr(dataloader.batch_sampler, "_batch_sampler", None)
+        if batch_size is None and type(inner) is torch.utils.data.BatchSampler:
+            # Lightning's own wrapper (predict) around a plain BatchSampler
+            batch_size, sampler = inner.batch_size, inner.sampler
+        if batch_size is None:  # a batch_sampler decides the batches
+            if opts.replication_factor > 1:
+                raise LightningError(
+                    f"A DataLoader with a batch_sampler ({type(dataloader.batch_sampler).__name__}) "
+                    f"cannot feed {opts.replication_factor} replicas: ipukit splits each batch "
+                    "evenly between replicas and micro-batches. Use batch_size=... (and a "
+                    "sampler) instead, or devices=1.")
+            if opts.combined_batch_factor > 1:
+                raise LightningError(
+                    f"A DataLoader with a batch_sampler cannot be combined with device "
+                    f"iterations or gradient accumulation (each batch would have to hold "
+                    f"{opts.combined_batch_factor} micro-batches). Use batch_size=... instead.")
+            return dataloader
+        shuffle = isinstance(sampler, torch.utils.data.RandomSampler)
+        kwargs = dict(num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
+                      pin_memory=dataloader.pin_memory, worker_init_fn=dataloader.worker_init_fn,
+                      timeout=dataloader.timeout)
+        if dataloader.num_workers > 0:
+            kwargs["persistent_workers"] = dataloader.persistent_workers
+        if shuffle:
+            kwargs["generator"] = getattr(sampler, "generator", None)
+        elif not isinstance(sampler, torch.utils.data.SequentialSampler):
+            kwargs["sampler"] = sampler
+        return _IpuDataLoader(opts, dataloader.dataset, batch_size=batch_size,
+                              shuffle=shuffle, drop_last=True, **kwargs)

@@ -1,0 +1,249 @@
+"""``IPUStrategy``'s bridge from Lightning's ``*_step`` calls to ipukit models.
+
+A LightningModule's ``training_step`` (and validation, test, predict steps) becomes
+the forward of a :class:`_StepModule`, wrapped once per kind of run and dataloader
+in an ipukit ``trainingModel`` or ``inferenceModel``; the first batch compiles it.
+:class:`_StepBridge` (a mixin of :class:`~ipukit.lightning.IPUStrategy`) runs those
+models, casts inputs, reports ``self.log`` calls a traced step cannot make, and
+advances Lightning's step count by the device iterations of each call.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Dict
+
+import torch
+
+from ..core import blocks as _blocks
+from ..core.errors import PipelineConfigError
+from .base import _STAGE_KEY, LightningError, _map_tensors
+from ..model import inferenceModel, trainingModel
+from ..core.ops import identity_loss
+
+from pytorch_lightning.trainer.states import RunningStage
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+
+def _state_to_parameter_devices(optimizer) -> None:
+    """Optimiser state next to its parameter, wherever ipukit placed the stage.
+
+    Lightning restores a checkpoint's optimiser state onto the strategy's root device (the
+    host); ipukit then moves each stage's weights to its virtual IPU's device. Scalars
+    (Adam's ``step``) stay where torch.optim wants them.
+    """
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.device != p.device:
+                state[key] = value.to(p.device)
+
+
+# --------------------------------------------------------------------------- step module
+_STEP_OF = {RunningStage.TRAINING: "training_step", RunningStage.SANITY_CHECKING: "validation_step",
+            RunningStage.VALIDATING: "validation_step", RunningStage.TESTING: "test_step",
+            RunningStage.PREDICTING: "predict_step"}
+_BATCH_END_HOOK = {"training_step": "on_train_batch_end",
+                   "validation_step": "on_validation_batch_end",
+                   "test_step": "on_test_batch_end", "predict_step": "on_predict_batch_end"}
+
+_log_state = threading.local()
+_log_lock = threading.RLock()
+
+
+class _StepModule(torch.nn.Module):
+    """The module ipukit wraps: its forward is one of the LightningModule's ``*_step`` methods.
+
+    Python arguments of the step (``batch_idx``, ``dataloader_idx``) are held as attributes,
+    so only the batch is an input: as in PopTorch, a traced (multi-stage) step sees their
+    values of its first call; a single-stage step runs eagerly and sees the current ones.
+    """
+
+    def __init__(self, module: "pl.LightningModule", step: str) -> None:
+        super().__init__()
+        self.module = module
+        self.step = step
+        self.extra_args: tuple = ()
+
+    def forward(self, batch):
+        rec = _blocks._active()
+        if rec is not None:
+            _keep_last_block_open(rec)
+        out = getattr(self.module, self.step)(batch, *self.extra_args)
+        if self.step != "training_step":
+            return out
+        if isinstance(out, torch.Tensor):
+            return identity_loss(out, reduction="none")
+        if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+            out = dict(out)
+            out["loss"] = identity_loss(out["loss"], reduction="none")
+            return out
+        raise LightningError(
+            "training_step must return the loss tensor or a dict with a 'loss' tensor when it "
+            f"runs on ipukit (got {type(out).__name__}); skipping a step by returning None is "
+            "not possible inside a compiled step.")
+
+
+def _keep_last_block_open(rec) -> None:
+    """Operations after the last ``with Block`` closed stay on that block's IPU.
+
+    Lightning computes the loss in ``training_step`` after ``forward`` (whose blocks have
+    closed), and the Lightning IPU docs' Blocks-in-``forward`` pattern relies on those
+    operations running on the IPU of the block before them. ipukit's core refuses operations
+    outside any block once a block closed; for Lightning steps they join the last block
+    (done by wrapping the trace's block recorder, the only core internal used here).
+    """
+    if getattr(rec, "_ipukit_lightning", False):
+        return
+    rec._ipukit_lightning = True
+    pop = rec.pop
+
+    def pop_and_stay():
+        pop()
+        if not rec._stack and rec.segments:
+            rec.in_block = True
+            rec.closed_a_block = False
+
+    rec.pop = pop_and_stay
+
+
+def _guard_logging(module: "pl.LightningModule") -> Dict[str, Any]:
+    """Wrap ``module.log``/``log_dict``: a no-op while ipukit traces the step (calls are
+    noted, see ``IPUStrategy._compile``); otherwise one thread at a time (replicas)."""
+    originals = {}
+    for name in ("log", "log_dict"):
+        original = getattr(module, name)
+        originals[name] = module.__dict__.get(name)
+
+        def guarded(*args, _original=original, _name=name, **kwargs):
+            if _blocks._active() is not None:
+                noted = getattr(_log_state, "calls", None)
+                if noted is not None:
+                    first = args[0] if args else kwargs.get("name", kwargs.get("dictionary"))
+                    noted.append((_name, first if isinstance(first, str) else None))
+                return None
+            with _log_lock:
+                return _original(*args, **kwargs)
+
+        module.__dict__[name] = guarded
+    return originals
+
+
+def _unguard_logging(module, originals: Dict[str, Any]) -> None:
+    for name, original in originals.items():
+        if original is None:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = original
+
+
+class _StepBridge:
+    """The step methods of ``IPUStrategy``: one ipukit model per step kind and dataloader."""
+
+    def _model_for(self, stage: RunningStage, dataloader_idx: int):
+        step = _STEP_OF[stage]
+        key = (step, dataloader_idx)
+        model = self._models.get(key)
+        if model is None:
+            wrapper = _StepModule(self.lightning_module, step)
+            stage_key = _STAGE_KEY[stage]
+            if step == "training_step":
+                model = trainingModel(wrapper, self._opts["train"], optimizer=self.optimizers[0])
+            else:
+                model = inferenceModel(wrapper, self._opts[stage_key])
+            self._models[key] = model
+        self._last[_STAGE_KEY[stage]] = model
+        return model
+
+    def _run(self, stage: RunningStage, args, kwargs) -> Any:
+        if not args:
+            raise LightningError("ipukit's IPU strategy expects the batch as the first argument "
+                                 "of the step.")
+        batch, extra = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        dataloader_idx = extra[1] if len(extra) > 1 and isinstance(extra[1], int) else 0
+        model = self._model_for(stage, dataloader_idx)
+        model.model.extra_args = extra
+        batch = self._cast_inputs(batch)
+        if not model.isCompiled():
+            self._compile(model, batch)
+            if model.training:
+                _state_to_parameter_devices(model._optimizer)
+        return model(batch)
+
+    def _cast_inputs(self, batch: Any) -> Any:
+        """Float inputs take the model's floating dtype (PopTorch cast inputs of half models)."""
+        dtype = next((p.dtype for p in self.lightning_module.parameters()
+                      if p.is_floating_point()), None)
+        if dtype is None:
+            return batch
+        return _map_tensors(batch, lambda t: t.to(dtype)
+                            if t.is_floating_point() and t.dtype != dtype else t)
+
+    def _compile(self, model, batch) -> None:
+        # A model compiled earlier (training, say) may have put the shared weights on a GPU;
+        # ipukit traces on the sample it is given, so give it one on the weights' device.
+        device = next((p.device for p in self.lightning_module.parameters()), None)
+        if device is not None and device.type != "cpu":
+            batch = _map_tensors(batch, lambda t: t.to(device))
+        _log_state.calls = []
+        try:
+            model.compile(batch)
+        except PipelineConfigError as exc:
+            hint = (" With Lightning, Trainer(accumulate_grad_batches=N) sets the gradient "
+                    "accumulation and IPUStrategy(device_iterations=N) the device iterations.")
+            raise PipelineConfigError(str(exc) + hint) from None
+        finally:
+            calls, _log_state.calls = _log_state.calls, None
+        stages = model.program.partition.num_stages
+        if calls and stages > 1:
+            step = model.model.step
+            names = ", ".join(sorted({repr(n) for _, n in calls if n})) or "values"
+            model.destroy()
+            self._models = {k: v for k, v in self._models.items() if v is not model}
+            raise LightningError(
+                f"{type(self.lightning_module).__name__}.{step} calls self.log ({names}), but "
+                f"ipukit traced it into {stages} pipeline stages: a traced step runs on the "
+                "virtual IPUs and cannot call back into Lightning. Return the values instead "
+                "(e.g. return {'loss': loss, 'acc': acc}) and log them in "
+                f"{_BATCH_END_HOOK[step]}(self, outputs, batch, batch_idx), e.g. "
+                "self.log('acc', outputs['acc']).")
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.train_step_context():
+            out = self._run(RunningStage.TRAINING, args, kwargs)
+        self._account_steps()
+        return out
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        stage = self.lightning_module.trainer.state.stage
+        stage = RunningStage.VALIDATING if stage != RunningStage.SANITY_CHECKING else stage
+        with self.precision_plugin.val_step_context():
+            return self._run(stage, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.test_step_context():
+            return self._run(RunningStage.TESTING, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.predict_step_context():
+            return self._run(RunningStage.PREDICTING, args, kwargs)
+
+    def _account_steps(self) -> None:
+        """A call with N device iterations made N optimiser steps; Lightning counts one."""
+        extra = self._opts["train"].device_iterations - 1
+        if extra <= 0:
+            return
+        trainer = self.lightning_module.trainer
+        progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        progress.optimizer.step.increment_by(extra)
+        module = self.lightning_module
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != "step" or config.reduce_on_plateau:
+                continue
+            if config.frequency != 1:
+                raise LightningError(
+                    f"An lr scheduler with interval='step' and frequency={config.frequency} "
+                    f"cannot follow optimiser steps made {extra + 1} at a time "
+                    "(device_iterations); use frequency=1 or device_iterations=1.")
+            for _ in range(extra):
+                module.lr_scheduler_step(config.scheduler, None)

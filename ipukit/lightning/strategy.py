@@ -1,0 +1,360 @@
+"""PyTorch Lightning's IPU front door, on ipukit: ``IPUAccelerator``, ``IPUStrategy``, ``IPUPrecision``.
+
+Lightning code written for Graphcore IPUs (``Trainer(accelerator="ipu", devices=8,
+strategy=IPUStrategy(device_iterations=32))``) runs here with one changed import::
+
+    from ipukit.lightning import IPUStrategy       # was: from lightning_graphcore import IPUStrategy
+    import ipukit as poptorch                      # was: import poptorch
+
+Importing this module registers the accelerator ``"ipu"`` and the strategy
+``"ipu_strategy"`` with pytorch-lightning (pinned to 2.6.6, the ``ipukit[lightning]``
+extra), and makes ``Trainer(accelerator="ipu")`` pick :class:`IPUStrategy` when no
+strategy is given.
+
+How a Lightning run maps onto ipukit:
+
+* every Lightning batch is one ipukit call: the strategy turns each dataloader into an
+  :class:`ipukit.DataLoader`, whose batches hold micro-batch × device iterations ×
+  gradient accumulation × replicas samples (a user's own ``ipukit.DataLoader`` is kept);
+* ``training_step`` runs inside ``ipukit.trainingModel`` (one per fit), the other steps
+  inside ``ipukit.inferenceModel`` s; all share the LightningModule's weights, so
+  validation during fit sees every optimiser step;
+* ``devices`` is the replication factor, ``accumulate_grad_batches`` the gradient
+  accumulation; ``Block``/``BeginBlock`` annotations split the model into pipeline stages
+  as in any ipukit model;
+* Lightning's ``global_step`` counts optimiser steps: a call with ``device_iterations=N``
+  advances it by N, and schedulers with ``interval="step"`` step N times after it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from .base import _CLIPPING_MESSAGE, _STAGE_KEY, _STAGE_NAMES, LightningError, _map_tensors
+from .setup import _TrainerSetup
+from .steps import _StepBridge, _unguard_logging
+from ..core.options import Options
+
+# after lightning_base, which reports a missing pytorch-lightning with the install command
+from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
+from pytorch_lightning.trainer.states import RunningStage
+
+__all__ = ["IPUAccelerator", "IPUStrategy", "IPUPrecision", "LightningError"]
+
+
+# --------------------------------------------------------------------------- accelerator
+class IPUAccelerator(Accelerator):
+    """Lightning's ``"ipu"`` accelerator: ipukit's virtual IPUs (worker threads).
+
+    ``devices`` is the number of replicas (``Options.replicationFactor``); ``"auto"`` is 1.
+    The torch device of each virtual IPU follows ipukit (CUDA when present, else CPU, or
+    ``Options.deviceMapping``).
+    """
+
+    def setup_device(self, device: torch.device) -> None:
+        pass
+
+    def get_device_stats(self, device) -> Dict[str, Any]:
+        return {}
+
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int:
+        if devices in ("auto", -1, "-1", None):
+            return 1
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if isinstance(devices, (list, tuple)):
+            devices = len(devices)
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise LightningError(
+                f"Trainer(accelerator='ipu', devices={devices!r}): devices is the number of "
+                "replicas (ipukit.Options().replicationFactor); give an int >= 1 or 'auto' (1).")
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices: int) -> List[torch.device]:
+        return [torch.device("cpu")] * int(devices)
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True  # virtual IPUs always exist
+
+    @staticmethod
+    def name() -> str:
+        return "ipu"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry) -> None:
+        accelerator_registry.register("ipu", cls, description="ipukit's virtual IPUs",
+                                      override=True)
+
+
+# --------------------------------------------------------------------------- precision
+_PRECISIONS = ("32-true", "16-mixed", "16-true")
+_PRECISION_ALIASES = {"32": "32-true", "32-true": "32-true", "16": "16-mixed",
+                      "16-mixed": "16-mixed", "16-true": "16-true"}
+
+
+def _unified_precision(precision) -> str:
+    key = str(precision)
+    if key not in _PRECISION_ALIASES:
+        raise LightningError(
+            f"Trainer(accelerator='ipu', precision={precision!r}) is not supported: use one of "
+            f"{list(_PRECISIONS)} (16 means '16-mixed').")
+    return _PRECISION_ALIASES[key]
+
+
+class IPUPrecision(Precision):
+    """Precision plugin of the IPU strategy: ipukit runs the backward pass and the step.
+
+    * ``"32-true"``: nothing changes.
+    * ``"16-true"``: the LightningModule is converted to half precision; ipukit accumulates its
+      gradients and updates its weights in float32 (PopTorch's optimisers), then rounds back.
+    * ``"16-mixed"`` (``precision=16``): as Lightning's IPU plugin did, float inputs are cast to
+      half precision; the model keeps its dtype and, as PopTorch 3's default
+      (``HalfFloatCastingBehavior.HalfUpcastToFloat``), computes a float32 model on those
+      half-rounded inputs. Call ``model.half()`` yourself for half-precision compute.
+
+    Float inputs are always cast to the model's floating dtype before a step (PopTorch cast
+    float inputs for half models), so a ``.half()`` model takes float32 batches.
+    """
+
+    def __init__(self, precision: Union[str, int] = "32-true") -> None:
+        self.precision = _unified_precision(precision)
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.precision == "16-true":
+            return module.half()
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision in ("16-mixed", "16-true"):
+            return _map_tensors(data, lambda t: t.half() if t.is_floating_point() else t)
+        return data
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        """ipukit computed the gradients inside the step: nothing to do here."""
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs) -> Any:
+        """ipukit stepped the optimiser inside the step: run the closure (the step) only."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise LightningError("torch.optim.LBFGS needs its closure re-evaluated within one "
+                                 "step, which ipukit's compiled steps cannot do; use another "
+                                 "optimizer in configure_optimizers().")
+        result = closure()
+        self._after_closure(model, optimizer)
+        return result
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        if clip_val is None or clip_val <= 0:
+            return
+        raise LightningError(_CLIPPING_MESSAGE.format(value=clip_val))
+
+
+# --------------------------------------------------------------------------- strategy
+class IPUStrategy(_TrainerSetup, _StepBridge, ParallelStrategy):
+    """Run a LightningModule on ipukit's virtual IPUs (lightning-graphcore's ``IPUStrategy``).
+
+    Args:
+        device_iterations: iterations (optimiser steps in training) per ipukit call.
+        autoreport: write ipukit's profile (Chrome trace + HTML report with the per-IPU
+            timeline, utilisation and memory) of the last call of each training, validation,
+            test and predict run — PopVision's auto-report, for ipukit.
+        autoreport_dir: where to write them (default ``./ipukit-autoreport``).
+        training_opts: ``ipukit.Options`` for the training model (replace the defaults built
+            from ``device_iterations``, ``devices`` and ``accumulate_grad_batches``).
+        inference_opts: ``ipukit.Options`` for validation, test and predict models.
+
+    The measured timeline of each kind of run is ``trainer.strategy.timeline("train")``
+    (or ``"validate"``, ``"test"``, ``"predict"``).
+
+    This class holds Lightning's plumbing (devices, precision plugin, collectives of a
+    single process), the timelines and reports, and teardown; the setup (options,
+    data loaders, checks) is inherited from :mod:`ipukit.lightning_setup`, the step
+    methods (the bridge to ipukit models) from :mod:`ipukit.lightning_steps`.
+    """
+
+    strategy_name = "ipu_strategy"
+
+    def __init__(self, accelerator: Optional[Accelerator] = None, device_iterations: int = 1,
+                 autoreport: bool = False, autoreport_dir: Optional[str] = None,
+                 parallel_devices: Optional[List[torch.device]] = None,
+                 cluster_environment=None, checkpoint_io=None,
+                 precision_plugin: Optional[Precision] = None,
+                 training_opts: Optional[Options] = None,
+                 inference_opts: Optional[Options] = None) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if (isinstance(device_iterations, bool) or not isinstance(device_iterations, int)
+                or device_iterations < 1):
+            raise LightningError(f"IPUStrategy(device_iterations={device_iterations!r}): expected "
+                                 "an int >= 1 (iterations per ipukit call).")
+        for name, opts in (("training_opts", training_opts), ("inference_opts", inference_opts)):
+            if opts is not None and not isinstance(opts, Options):
+                raise LightningError(f"IPUStrategy({name}={opts!r}): expected ipukit.Options() "
+                                     "(poptorch.Options with `import ipukit as poptorch`).")
+        self.device_iterations = device_iterations
+        self.autoreport = bool(autoreport)
+        self.autoreport_dir = autoreport_dir
+        self._user_training_opts = training_opts
+        self._user_inference_opts = inference_opts
+        self._opts: Dict[str, Options] = {}
+        self._models: Dict[tuple, Any] = {}
+        self._last: Dict[str, Any] = {}       # stage key -> its latest ipukit model (kept after teardown)
+        self._gradient_accumulation = 1
+        self._saved_accumulation: Optional[int] = None
+        self._log_originals: Optional[Dict[str, Any]] = None
+        self.reports: List[Dict[str, str]] = []
+
+    # -- Lightning plumbing ---------------------------------------------------------
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else IPUPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # the Trainer builds its plugin from precision=...; ipukit runs backward and step itself
+        if plugin is not None and not isinstance(plugin, IPUPrecision):
+            plugin = IPUPrecision(getattr(plugin, "precision", "32-true"))
+        self._precision_plugin = plugin
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def model_to_device(self) -> None:
+        pass  # ipukit places each stage on its virtual IPU's device
+
+    @property
+    def is_distributed(self) -> bool:
+        return False  # replicas are threads of this process: no DistributedSampler
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def is_global_zero(self) -> bool:
+        return True
+
+    def reduce(self, tensor, *args, **kwargs):
+        return tensor
+
+    def barrier(self, *args, **kwargs) -> None:
+        pass
+
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        return tensor
+
+    @property
+    def replication_factor(self) -> int:
+        """Replicas: ``devices`` (or the user's options' replicationFactor)."""
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
+        return batch  # ipukit moves each micro-batch to its virtual IPU's device
+
+    # -- timelines and reports -------------------------------------------------------------
+    def timeline(self, stage: Union[str, RunningStage] = "train"):
+        """The measured :class:`ipukit.Timeline` of the latest call of a run's model.
+
+        ``stage``: ``"train"``, ``"validate"``, ``"test"`` or ``"predict"``. None before any call.
+        """
+        key = _STAGE_KEY.get(stage) if isinstance(stage, RunningStage) else \
+            _STAGE_NAMES.get(str(stage).lower())
+        if key is None:
+            raise LightningError(f"timeline({stage!r}): use 'train', 'validate', 'test' or "
+                                 "'predict'.")
+        model = self._last.get(key)
+        return None if model is None else model.getTimeline()
+
+    def model_for(self, stage: str = "train"):
+        """The ipukit model (``PoplarExecutor``) that ran the latest ``stage`` run."""
+        return self._last.get(_STAGE_NAMES.get(str(stage).lower(), str(stage)))
+
+    def _write_report(self, stage: str) -> None:
+        if not self.autoreport:
+            return
+        model = self._last.get(stage)
+        tl = None if model is None else model.getTimeline()
+        if tl is None:
+            return
+        from ..viz.profile import write_profile
+
+        directory = self.autoreport_dir or os.path.join(os.getcwd(), "ipukit-autoreport")
+        self.reports.append(write_profile(tl, directory, model))
+
+    def on_train_end(self) -> None:
+        self._write_report("train")
+
+    def on_validation_end(self) -> None:
+        self._write_report("validate")
+
+    def on_test_end(self) -> None:
+        self._write_report("test")
+
+    def on_predict_end(self) -> None:
+        self._write_report("predict")
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and self._log_originals is not None:
+            _unguard_logging(module, self._log_originals)
+            self._log_originals = None
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if self._saved_accumulation is not None and trainer is not None:
+            trainer.accumulate_grad_batches = self._saved_accumulation
+        self._saved_accumulation = None
+        for model in self._models.values():
+            if model.training:
+                model.destroy()  # unwrap: the module can be trained again
+        self._models = {}
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="ipukit's IPU strategy",
+                                   override=True)
+
+
+# --------------------------------------------------------------------------- registration
+def _choose_ipu_strategy() -> None:
+    """``Trainer(accelerator="ipu")`` without ``strategy=`` gets :class:`IPUStrategy`.
+
+    Lightning 2.x has no public hook for an accelerator's default strategy (1.x chose the IPU
+    strategy itself), so the connector's choice is wrapped for the IPU accelerator only.
+    """
+    from pytorch_lightning.trainer.connectors import accelerator_connector as connector
+
+    cls = connector._AcceleratorConnector
+    if getattr(cls._choose_strategy, "_ipukit", False):
+        return
+    original = cls._choose_strategy
+
+    def _choose_strategy(self):
+        if isinstance(getattr(self, "accelerator", None), IPUAccelerator):
+            return IPUStrategy.strategy_name
+        return original(self)
+
+    _choose_strategy._ipukit = True
+    cls._choose_strategy = _choose_strategy
+
+
+IPUAccelerator.register_accelerators(AcceleratorRegistry)
+IPUStrategy.register_strategies(StrategyRegistry)
+_choose_ipu_strategy()

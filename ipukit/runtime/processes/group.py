@@ -1,0 +1,169 @@
+"""The run's process group: joining it, and telling every process when one of them failed.
+
+Processes join with gloo on CPU (NCCL for CUDA tensors) under a timeout
+(``IPUKIT_DIST_TIMEOUT``, default 300 s). A process that raises records
+``rank r: Error: message`` in the rendezvous store (and, under ipukit-run, in
+``IPUKIT_FAILURE_DIR``), so its peers, which then see only a broken
+connection, can name the process that failed and why.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from ...core.errors import Error
+
+_FAILED_KEY = "ipukit/failed"
+
+
+class DistributedError(Error):
+    """A multi-process run that cannot start or continue (wrong process count, mismatch, a failed peer)."""
+
+
+def is_active(options) -> bool:
+    """Whether models with these options run as processes (several processes configured)."""
+    return options.Distributed.numProcesses > 1
+
+
+# -- the one adapter onto the compiled model -----------------------------------------------
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("IPUKIT_DIST_TIMEOUT", "300")))
+
+
+def _wants_cuda(options) -> bool:
+    mapping = options.device_mapping
+    if mapping:
+        return any(str(d).startswith("cuda") for d in mapping)
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def ensure_process_group(options) -> None:
+    """Join the run's process group (gloo on CPU; NCCL for CUDA tensors, gloo for the rest)."""
+    import torch.distributed as dist
+
+    d = options.Distributed
+    if dist.is_initialized():
+        if dist.get_world_size() != d.numProcesses or dist.get_rank() != d.processId:
+            raise DistributedError(
+                f"Options.Distributed says process {d.processId} of {d.numProcesses}, but the "
+                f"process group is rank {dist.get_rank()} of {dist.get_world_size()}: build "
+                "the Options inside the launched script (torchrun sets RANK/WORLD_SIZE), or "
+                "call Options.Distributed.configureProcessId(rank, world_size).")
+        return
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise DistributedError(
+                f"Options.Distributed: {d.numProcesses} processes are configured but {var} is "
+                "not set, so there is no rendezvous to join. Launch the script with "
+                "`ipukit-run --nproc N script.py` (or torchrun), or call "
+                "Options.Distributed.disable() to run in one process.")
+    backend = "cpu:gloo,cuda:nccl" if _wants_cuda(options) else "gloo"
+    if _wants_cuda(options):
+        gpus = torch.cuda.device_count()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.numProcesses))
+        if per_node > gpus:
+            raise DistributedError(
+                f"ipukit: {per_node} processes on this machine but {gpus} CUDA device(s): NCCL "
+                "needs a GPU per process. Launch at most that many processes per machine, or "
+                "run the stages on CPU with Options.deviceMapping(['cpu']).")
+        local = int(os.environ.get("LOCAL_RANK", d.processId))
+        torch.cuda.set_device(local % gpus)
+    try:
+        dist.init_process_group(backend, rank=d.processId, world_size=d.numProcesses,
+                                timeout=_timeout())
+    except Exception as exc:  # noqa: BLE001 - re-raised with the setting to check
+        raise DistributedError(
+            f"ipukit could not join the process group at {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')} as rank {d.processId} of {d.numProcesses} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Launch "
+            "every process with ipukit-run/torchrun and the same rendezvous.") from exc
+    _install_failure_report()
+
+
+def _install_failure_report() -> None:
+    """An uncaught exception tells the peers (and ipukit-run) which rank failed and why."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        _note_failure(value, uncaught=True)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _note_failure(exc: BaseException, uncaught: bool = False) -> None:
+    """Tell the peers (through the rendezvous store) that this rank failed, and why.
+
+    Under ipukit-run, an exception that ends the process is also written to
+    ``IPUKIT_FAILURE_DIR``, so the launcher names the process that failed first;
+    errors a script catches (and goes on from) are not.
+    """
+    import torch.distributed as dist
+
+    if isinstance(exc, DistributedError) and getattr(exc, "_peer", False):
+        return  # a consequence of another rank's failure, not a cause
+    rank = int(os.environ.get("RANK", dist.get_rank() if dist.is_initialized() else 0))
+    line = f"rank {rank}: {_describe(exc)}"
+    now = time.time()
+    folder = os.environ.get("IPUKIT_FAILURE_DIR")
+    if folder and uncaught:
+        try:
+            with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
+                f.write(f"{now}\n{line}\n")
+        except OSError:
+            pass
+    try:
+        dist.distributed_c10d._get_default_store().set(_FAILED_KEY, f"{now}|{line}")
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone
+        pass
+
+
+def _peer_failure(since: float, wait: float = 3.0) -> Optional[str]:
+    """The failure another rank recorded after ``since``, waiting briefly for it."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.check([_FAILED_KEY]):
+                stamp, _, line = store.get(_FAILED_KEY).decode().partition("|")
+                if float(stamp) >= since:
+                    return line
+        except Exception:  # noqa: BLE001
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset",
+                                   "Gloo", "gloo", "NCCL", "Timed out", "timed out"))
+
+
+def _device_for(options, ipu: int) -> torch.device:
+    mapping = options.device_mapping
+    if mapping:
+        return torch.device(mapping[ipu % len(mapping)])
+    if _wants_cuda(options):
+        local = int(os.environ.get("LOCAL_RANK", options.Distributed.processId))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")

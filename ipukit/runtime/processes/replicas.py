@@ -1,0 +1,120 @@
+"""How replicas (data parallelism over the mesh's ``dp`` group) combine their gradients.
+
+:func:`gradient_sync` is the one rule: torch's ``DistributedDataParallel`` wherever it
+works, one flat all-reduce where it cannot. :func:`under_ddp` puts a stage under DDP,
+:func:`sum_over_replicas` is the all-reduce, and :func:`gradient_scale` applies
+PopTorch's Mean/Sum rule on top of either.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+
+from ...core.enums import ReductionType
+
+
+#: :func:`gradient_sync`'s answers
+DDP, ALL_REDUCE = "ddp", "all-reduce"
+
+
+def gradient_sync(schedule, replicas: int, training: bool) -> Optional[str]:
+    """How a run's replicas combine gradients: :data:`DDP`, :data:`ALL_REDUCE`, or None
+    (one replica, or no training). The one rule, from what torch 2.14.1 did (gloo,
+    dp 2 × pp 2, a ``Linear`` per stage, DDP inside each ``PipelineStage``).
+
+    torch's DDP, the field's library, wherever every backward is a full one
+    (``B``): GPipe, 1F1B, interleaved 1F1B, looped BFS, the sharded schedules,
+    one stage or several per process (each stage its own DDP in the ``dp``
+    group). torch's pipeline stage drives it: ``no_sync`` until a stage's last
+    backward of the step, then DDP's reducer averages each gradient over the
+    replicas as that backward produces it. As torch ships it, GPipe and
+    interleaved 1F1B failed at the second step's first forward with ``RuntimeError:
+    params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED at
+    ".../c10d/reducer.cpp":2003 ... rebuilt parameter indices size is not same as
+    original model parameters size.Original model param size is: 2 versus rebuilt
+    params size of: 4``; the cause is torch's shape inference, not the number of
+    stages per process, and :func:`without_sync` removes it.
+
+    One flat all-reduce (a sum, after an iteration's last backward) where the
+    schedule splits a backward into ``I`` and ``W`` (ZB-H1, ZBV, DualPipeV):
+    torch's ``W`` computes the weight gradients with ``torch.autograd.grad`` and
+    adds them to ``.grad`` itself, so the gradient-accumulation hooks DDP
+    reduces from never fire. No error, and no reduction: the gradients of every
+    stage but the first (whose ``W`` torch runs as a full backward) stayed each
+    replica's own (7.4 apart after one step of ``ScheduleInterleavedZeroBubble``
+    with one stage per process), and ipukit's ZB-H1 under DDP ended
+    0.065 away from the threaded run's weights.
+    """
+    if replicas == 1 or not training:
+        return None
+    return ALL_REDUCE if schedule.split_backward else DDP
+
+
+def without_sync(module: torch.nn.Module):
+    """DDP's ``no_sync()`` for a stage under DDP (nothing otherwise), for torch's shape
+    inference (:func:`~ipukit.distributed.stages.timed_stage_class` runs it in this).
+
+    torch.distributed.pipelining infers a stage's shapes at the first step by
+    running its module once, outside the schedule's ``no_sync``. Under DDP that
+    forward leaves the reducer expecting a synchronised backward, so the step's
+    first backward (under ``no_sync``) all-reduces and records the parameters'
+    order. If the stage runs no forward between its first and its last backward
+    (GPipe; interleaved 1F1B; 1F1B with no more micro-batches than stages), the
+    last backward records the order again (4 entries for 2 parameters) and the
+    next step's first forward fails in the reducer's bucket rebuild (the
+    assertion :func:`gradient_sync` quotes); otherwise the extra all-reduce of
+    the first micro-batch only rounds (1F1B was 6e-8 from the threaded run).
+    With the inference under ``no_sync``, DDP reduced once per stage and step
+    in all of these, and ipukit's weights equal the threaded run's exactly.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def under_ddp(body: torch.nn.Module, dp_group, device: torch.device) -> torch.nn.Module:
+    """``body`` under DDP in the ``dp`` group (``body`` unchanged when nothing in it trains).
+
+    Every process already holds replica 0's weights and buffers, so DDP syncs
+    nothing at init, and not the buffers at each forward: replicas start each
+    call from replica 0's buffers, broadcast once per call by the runtime.
+    """
+    if not any(p.requires_grad for p in body.parameters()):
+        return body
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        body, process_group=dp_group, init_sync=False, forward_sync_buffers=False,
+        device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def sum_over_replicas(params: List[torch.nn.Parameter], dp_group) -> None:
+    """Each gradient of ``params``, summed over the replicas (one all-reduce of one flat buffer)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=dp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def gradient_scale(reduction: ReductionType, micro_batches: int, replicas: int,
+                   ddp: bool) -> float:
+    """The factor PopTorch's Mean/Sum rule puts on the combined gradients.
+
+    Mean: over the micro-batches and the replicas; Sum: none. DDP has averaged
+    over the replicas already, the all-reduce summed.
+    """
+    averaged = replicas if ddp else 1
+    if reduction == ReductionType.Mean:
+        return 1.0 / (micro_batches * (replicas // averaged))
+    return float(averaged)

@@ -1,0 +1,624 @@
+"""Stages as processes: ipukit's partition and schedule run by torch.distributed.pipelining.
+
+Under ``torchrun`` (or ``ipukit-run``) every process runs the user's script; a
+training or inference model whose options say there are several processes
+(``Options.Distributed.numProcesses > 1``, read from torchrun's ``WORLD_SIZE``)
+runs here instead of on threads:
+
+* processes form a (dp, pp) device mesh: ``dp`` = replicationFactor (data-parallel
+  replicas), ``pp`` = the model's virtual IPUs; rank ``r`` is replica ``r // pp``,
+  virtual IPU ``sorted(ipus)[r % pp]``;
+* each process builds a :class:`~torch.distributed.pipelining.PipelineStage`
+  (the manual frontend) for every stage on its virtual IPU, from ipukit's own
+  partition. A stage's body reads the model inputs it needs (the labels of the
+  last block) from the call's micro-batch directly, and carries tensors that a
+  later stage needs (skip connections) through the stages in between, since
+  torch's runtime only sends to the next stage;
+* ipukit's schedule (:meth:`~ipukit.schedule.Schedule.to_torch`) is run by
+  torch's ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
+* with replicas, each stage runs under torch's DDP in the ``dp`` group wherever
+  every backward is a full one (GPipe, 1F1B, interleaved 1F1B, looped BFS): torch's
+  pipeline stage keeps DDP from syncing until a stage's last backward of a step,
+  then DDP averages its gradients. Where a backward is split (ZB-H1, ZBV,
+  DualPipeV), DDP never sees ``W``'s gradients, so each process sums its stages'
+  gradients over the ``dp`` group after an iteration's last backward (one
+  all-reduce of one flat buffer); the rule and its evidence:
+  :func:`~ipukit.distributed.replicas.gradient_sync`. PopTorch's Mean/Sum rule
+  scales them, and every process steps the user's optimiser on its own stages' weights;
+* replicas start each call from replica 0's buffers (a broadcast in the dp group).
+
+:func:`maybe_run` is the one entry point the model wrapper needs; everything
+it reads of the compiled model goes through :func:`_compiled`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ...core import batching as microbatch
+from ...core.enums import ReductionType
+from ..gpu_clock import GpuClock
+from ...timeline.events import Event, KIND_NAMES, Timeline
+from ..update import StateSnapshot
+from .exchange import RowExchange, SpanGather
+from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure, ensure_process_group, is_active)
+from .replicas import ALL_REDUCE, DDP, gradient_scale, gradient_sync, sum_over_replicas, under_ddp
+from .stages import (CallContext, StageBody, carry_plan, process_lanes, schedule_runner, timed_stage_class)
+
+__all__ = ["NOT_DISTRIBUTED", "DistributedError", "is_active", "ensure_process_group",
+           "maybe_run", "synchronize_weights", "last_timeline", "timeline_source",
+           "expected_processes"]
+
+#: Returned by :func:`maybe_run` when the model is not distributed (run it on threads).
+NOT_DISTRIBUTED = object()
+
+
+@dataclass
+class Compiled:
+    """What the distributed runtime reads of a compiled model."""
+
+    partition: Any
+    schedule: Any
+    batching: microbatch.Batching     # the whole run's (replicas = replicationFactor)
+    output_mode: Any
+    output_period: int
+    training: bool
+    optimizer: Any
+    options: Any
+    tensor_inputs: List[int]
+    reduction: ReductionType
+    record: bool
+    loss_stage: Optional[int]
+    loss_item: int
+    host_outputs: List[List[Tuple[int, int]]]
+    input_names: List[str]
+
+
+def _compiled(model) -> Compiled:
+    """The compiled state of ``model`` (a PoplarExecutor), read through its public face."""
+    program = model.program
+    return Compiled(partition=program.partition, schedule=program.schedule,
+                    batching=program.batching, output_mode=program.output_mode,
+                    output_period=program.output_period, training=program.training,
+                    optimizer=model.optimizer, options=model.options,
+                    tensor_inputs=list(program.tensor_inputs), reduction=program.reduction,
+                    record=program.record, loss_stage=program.loss_stage,
+                    loss_item=program.loss_item, host_outputs=program.host_outputs,
+                    input_names=list(program.input_names))
+
+
+def _is_compiled(model) -> bool:
+    return model.program is not None
+
+
+def _compile(model, args, kwargs) -> None:
+    """Compile ``model`` for one process's share of a call.
+
+    A process holds one replica's combined batch (micro-batch × DI × GA); the
+    model compiles for the whole run's batching, so the inputs are repeated
+    once per replica for the compile only (it traces one micro-batch).
+    """
+    replicas = model.options.replication_factor
+
+    def widen(v):
+        if replicas > 1 and isinstance(v, torch.Tensor) and v.dim() > 0:
+            return torch.cat([v] * replicas)
+        return v
+
+    args, kwargs = pytree.tree_map(widen, (args, kwargs))
+    model.compile(*args, **kwargs)
+
+
+def _fingerprint(c: Compiled, flat_inputs: Sequence) -> Dict[str, Any]:
+    """What must be equal on every process of the run."""
+    opts = c.options.toDict()
+    opts.pop("ignored", None)
+    return {
+        "options": repr(sorted(opts.items())),
+        "stages": [(st.ipu, list(st.blocks), [tuple(p.shape) for p in st.parameters])
+                   for st in c.partition.stages],
+        "schedule": c.schedule.to_strings() if c.schedule.iterations <= 1 else
+        [[str(a) for a in lane if a.iteration == 0] for lane in c.schedule.lanes],
+        "inputs": [(tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v)
+                   for v in flat_inputs],
+        "training": c.training,
+    }
+
+
+def _check_same_everywhere(c: Compiled, flat_inputs: Sequence, world: int) -> None:
+    """Every process must see the same model, options and input shapes (a collective)."""
+    import torch.distributed as dist
+
+    prints = [None] * world
+    dist.all_gather_object(prints, _fingerprint(c, flat_inputs))
+    for r, fp in enumerate(prints):
+        for key in prints[0]:
+            if fp[key] != prints[0][key]:
+                raise DistributedError(
+                    f"ipukit: process {r} compiled a different model than process 0: its "
+                    f"{key} differ ({_short(fp[key])} vs {_short(prints[0][key])}). Every "
+                    "process must build the same model, Options and input batch sizes.")
+
+
+def _check_untied(part) -> None:
+    owners: Dict[int, int] = {}
+    for st in part.stages:
+        for p in st.parameters:
+            if owners.setdefault(id(p), st.ipu) != st.ipu:
+                raise DistributedError(
+                    "ipukit: a parameter is used by stages on two virtual IPUs (tied "
+                    "weights); as processes those would be two copies. Put the stages "
+                    "that share it on one IPU, or run without ipukit-run.")
+
+
+class _Layout:
+    """Where this process sits in the (dp, pp) mesh: its replica, virtual IPU, stages, device."""
+
+    def __init__(self, c: Compiled) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        part = c.partition
+        ipus = part.ipus
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.pp = len(ipus)
+        self.dp = c.batching.replicas
+        self.replica, self.pp_rank = divmod(self.rank, self.pp)
+        self.ipu = ipus[self.pp_rank]
+        self.device = _device_for(c.options, self.ipu)
+        mesh = init_device_mesh("cuda" if self.device.type == "cuda" else "cpu",
+                                (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+        self.mine = [st.index for st in part.stages if st.ipu == self.ipu]
+        self.stage_rank = {st.index: ipus.index(st.ipu) for st in part.stages}
+        self.lanes = process_lanes(c.schedule, ipus)
+
+
+class _Recorder:
+    """This process's measured spans, against one clock shared by every process.
+
+    The clock is set when the processes leave a barrier together; each call's
+    timeline starts at the earliest process's call. On CUDA an action's start and
+    end are CUDA events (:class:`~ipukit.gpu_clock.GpuClock`), turned into host
+    times by :meth:`resolve` once per call: no synchronisation per action, which
+    would stop the host from queueing ahead and change what the timeline measures.
+    """
+
+    def __init__(self, c: Compiled, layout: _Layout) -> None:
+        import torch.distributed as dist
+
+        self.compiled = c
+        self.layout = layout
+        self.on = c.record
+        self.events: List[Event] = []
+        self.call_index = 0
+        self.iteration = 0
+        #: builds the last call's timeline (once, when first called; see finish)
+        self.last: Optional[Callable[[], Timeline]] = None
+        self.clock = GpuClock() if self.on and layout.device.type == "cuda" else None
+        dist.barrier()
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def start(self) -> Any:
+        """An action's start: a CUDA event when recording on CUDA, else the host clock."""
+        return time.perf_counter() if self.clock is None else self.clock.mark(self.layout.device)
+
+    def span(self, stage: int, kind: str, micro_batch: int, start: Any) -> None:
+        """Record the action that began at ``start`` (from :meth:`start`) and ends now."""
+        if not self.on:
+            return
+        lay, clock = self.layout, self.clock
+        if clock is None:
+            end = time.perf_counter()
+        else:  # a placeholder (the event appended next), its times written by resolve()
+            clock.later(self.events, len(self.events), lay.device, start, clock.mark(lay.device))
+            start = end = self.t0
+        self.events.append(Event(stage, KIND_NAMES[kind], micro_batch, start - self.t0,
+                                 end - self.t0, lay.ipu, lay.replica, self.iteration,
+                                 self.call_index))
+
+    def resolve(self) -> None:
+        """The times of this call's CUDA-event spans (one synchronisation of the device)."""
+        if self.clock is not None:
+            self.clock.resolve(self.t0)
+
+    def step(self, t_start: float, t_opt: float, t_end: float) -> None:
+        """The optimiser step of this process's stages (and the gradient scaling before it)."""
+        if not self.on:
+            return
+        lay, t0 = self.layout, self.t0
+        for s in lay.mine:
+            self.events.append(Event(s, "step", -1, t_opt - t0, t_end - t0, lay.ipu,
+                                     lay.replica, self.iteration, self.call_index))
+        if t_opt - t_start > 0:
+            self.events.append(Event(-1, "host", -1, t_start - t0, t_opt - t0, -1,
+                                     lay.replica, self.iteration, self.call_index))
+
+    def finish(self, parts: Callable[[], list], flat: Sequence) -> None:
+        """This call's timeline, from ``parts`` (gives (events, call start) per process:
+        every process's on process 0, this one's elsewhere), built when first read:
+        most calls' timelines are never looked at, and building one costs a few tenths
+        of a millisecond, each call, on the pipeline's last process to finish."""
+        samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
+                       0)
+        call, built = self.call_index, []
+
+        def build() -> Timeline:
+            if not built:
+                built.append(self._build(parts, samples, call))
+            return built[0]
+
+        self.last = build
+
+    @property
+    def timeline(self) -> Optional[Timeline]:
+        """The last call's :class:`Timeline` (None before one)."""
+        return None if self.last is None else self.last()
+
+    def _build(self, parts: Callable[[], list], samples: int, call: int) -> Timeline:
+        c, lay = self.compiled, self.layout
+        parts = parts()
+        start = min(p[1] for p in parts)
+        events = [e._replace(start=e.start - start, end=e.end - start)
+                  for p in parts for e in p[0]]
+        events.sort(key=lambda e: (e.start, e.replica, e.ipu))
+        meta = dict(c.schedule.describe())
+        meta.update({"schedule": c.schedule.kind, "replicas": lay.dp, "samples": samples,
+                     "training": c.training, "call": call,
+                     "model": c.options.model_name or ("training" if c.training else "inference"),
+                     "stage_ipus": list(c.schedule.stage_ipus),
+                     "blocks": [st.blocks for st in c.partition.stages],
+                     "processes": lay.world, "rank": lay.rank,
+                     "gathered": lay.rank == 0})
+        return Timeline(events, modeled=False, meta=meta)
+
+
+class _Runtime:
+    """This process's part of a distributed model: its stages, torch's schedule runtime, groups."""
+
+    def __init__(self, model, flat_inputs: Sequence) -> None:
+        c = self.compiled = _compiled(model)
+        part = c.partition
+        lay = self.layout = _Layout(c)
+        _check_same_everywhere(c, flat_inputs, lay.world)
+        self.device = lay.device
+        # every process starts from the weights and buffers of each stage's process in
+        # replica 0 (which may have trained them through another model of this module)
+        _broadcast_stages(part, self.device)
+        for s in lay.mine:
+            part.stages[s].module.to(self.device)
+        self.params = [p for s in lay.mine for p in part.stages[s].parameters if p.requires_grad]
+        _check_untied(part)
+        self.buffers = [b for s in lay.mine for b in part.stages[s].module.buffers()]
+        # a failed or interrupted call leaves this process's stages as they were (as on threads)
+        self.own = torch.nn.ModuleList(part.stages[s].module for s in lay.mine)
+        self.snapshot = StateSnapshot()          # buffers (and weights, unless copied later)
+        self.weights = StateSnapshot()           # weights and optimiser state, copied later
+        self.weights_due = self.weights_taken = False
+        #: how the replicas combine gradients: DDP, ALL_REDUCE, or None (one replica)
+        self.replica_sync = gradient_sync(c.schedule, lay.dp, c.training)
+        self.M = c.schedule.micro_batches
+        steps = self.M * c.schedule.iterations
+        self.recorder = _Recorder(c, lay)
+        self.ctx = CallContext(_returned_micro_batches(c.output_mode, c.output_period, steps),
+                               self.recorder.span, self.recorder.start)
+        carry = carry_plan(part)
+        n = part.num_stages
+        stage_cls = timed_stage_class()
+        self.stages = []
+        for s in lay.mine:
+            body = StageBody(c, self.ctx, s, carry[s], carry[s + 1] if s + 1 < n else [],
+                             self.device)
+            if self.replica_sync == DDP:
+                body = under_ddp(body, lay.dp_group, self.device)
+            stage = stage_cls(body, s, n, self.device, group=lay.pp_group)
+            stage._ipukit_ctx = self.ctx
+            self.stages.append(stage)
+        self.loss_scaling = float((getattr(c.optimizer, "ipu_arguments", None) or {})
+                                  .get("loss_scaling", 1.0)) if c.training else 1.0
+        scaling = self.loss_scaling
+
+        def loss_fn(output, target):
+            loss = output if output.dim() == 0 else output.sum()
+            return loss * scaling if scaling != 1.0 else loss
+
+        producers = sorted({lay.stage_rank[s] for s in range(n) if c.host_outputs[s]})
+        self.exchange = RowExchange(producers, lay.pp_group, lay.pp_rank)
+        # at most: every action of an iteration, a step per stage and the host's span, per iteration
+        per_iteration = sum(len(lane) for lane in lay.lanes) + n + 1
+        self.spans = SpanGather(per_iteration * c.schedule.iterations, lay.world, lay.rank)
+        self.runner = schedule_runner(c.schedule, c.training, self.stages, lay.stage_rank,
+                                      lay.lanes, loss_fn)
+        if c.training:
+            self.ctx.idle_after = idle_point(lay.lanes[lay.pp_rank])
+            self.ctx.idle = self._copy_weights
+        self._target = torch.zeros(1, device=self.device)  # torch wants a target; the loss is the model's
+
+    @property
+    def timeline(self) -> Optional[Timeline]:
+        """The last call's measured timeline (every process's spans on process 0)."""
+        return self.recorder.timeline
+
+    def run(self, flat: list) -> Any:
+        """One call: this replica's outputs, as one process would return them.
+
+        If it fails (here, or on another process), or is interrupted, this process's
+        weights, buffers and optimiser state are restored to what they were before it.
+        """
+        c = self.compiled
+        # weights change only at the optimiser step: where this process soon waits for a
+        # peer anyway, they are copied then (see idle_point), else now with the buffers
+        later = c.training and self.ctx.idle_after is not None
+        snapshot = self.snapshot.capture(self.own, c.optimizer, c.training and not later)
+        self.weights_due, self.weights_taken = later, False
+        try:
+            return self._run(flat)
+        except BaseException:
+            if self.weights_taken:
+                self.weights.restore()
+            snapshot.restore()
+            raise
+
+    def _copy_weights(self) -> None:
+        """This call's copy of the weights and optimiser state, if still due."""
+        if self.weights_due:
+            self.weights_due = False
+            self.weights.capture(self.own, self.compiled.optimizer, True, buffers=False)
+            self.weights_taken = True
+
+    def _run(self, flat: list) -> Any:
+        import torch.distributed as dist
+
+        c, lay, ctx, rec = self.compiled, self.layout, self.ctx, self.recorder
+        b = c.batching
+        local = microbatch.Batching(b.device_iterations, b.gradient_accumulation, 1)
+        micro = microbatch.split(flat, local, c.input_names)
+        if lay.dp > 1 and self.buffers:  # replicas start each call from replica 0's buffers
+            with torch.no_grad():
+                for buf in self.buffers:
+                    dist.broadcast(buf.data, group=lay.dp_group, group_src=0)
+        t_call = rec.now()
+        rec.events = []
+        ctx.rows = {}
+        M = self.M
+        last = c.schedule.iterations - 1
+        with torch.enable_grad() if c.training else torch.no_grad():
+            for it in range(last + 1):
+                ctx.iteration = rec.iteration = it
+                ctx.offset = it * M
+                ctx.inputs = micro[it * M:(it + 1) * M]
+                if c.training:
+                    for p in self.params:
+                        p.grad = None
+                    self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
+                                     target_mbs=[self._target] * M, return_outputs=False)
+                else:
+                    self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
+                                     return_outputs=False)
+                if it == last:  # the replica's rows travel while the optimiser steps
+                    rows_of_replica = self.exchange.start(ctx.rows)
+                if c.training:
+                    if self.replica_sync == ALL_REDUCE:
+                        sum_over_replicas(self.params, lay.dp_group)
+                    self._step()
+        rec.resolve()  # this process's spans as times
+        # process 0's timeline: every process's spans, gathered while the rows arrive
+        spans = self.spans.start(rec.events, t_call) if rec.on else None
+        rows = rows_of_replica()  # every process of the replica: the replica's rows
+        result = _call_outputs(c, rows, micro, ctx.returned, local)
+        if spans is not None:
+            rec.finish(spans(), flat)  # the timeline itself is built when it is read
+        rec.call_index += 1
+        return result
+
+    def _step(self) -> None:
+        """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights."""
+        c = self.compiled
+        t_start = time.perf_counter()
+        self._copy_weights()  # in case no forward named by idle_point ran
+        scale = gradient_scale(c.reduction, self.M, self.layout.dp, self.replica_sync == DDP)
+        scale /= self.loss_scaling
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        t_opt = time.perf_counter()
+        c.optimizer.step()
+        t_end = time.perf_counter()
+        for p in self.params:
+            p.grad = None
+        self.recorder.step(t_start, t_opt, t_end)
+
+
+def idle_point(lane: Sequence) -> Optional[Tuple[int, int]]:
+    """(stage, micro-batch) of the forward after which this process first waits for a peer.
+
+    A process whose actions begin with forwards of stage 0 (which reads only model
+    inputs) runs them at once, then waits for the next stage's results (its first
+    backward, or a later stage's input): copying the weights there costs no time on
+    the pipeline's critical path, where copying them before the call delayed its
+    first forward. Any other process waits from the start (None: copy at once).
+    """
+    last = None
+    for a in lane:
+        if a.kind != "F" or a.stage != 0:
+            break
+        last = (a.stage, a.micro_batch)
+    return last
+
+
+def _call_outputs(c: Compiled, rows: Dict[int, Dict[int, Any]], micro: List[list],
+                  returned: List[bool], local: microbatch.Batching):
+    """The call's outputs in the model's structure, from the stages' rows (per micro-batch)."""
+    part = c.partition
+    n_out = len(part.outputs)
+    table = []
+    for k in range(len(micro)):
+        row = [None] * n_out
+        if not returned[k]:  # gather() never reads it: any placeholder will do
+            table.append(table[-1] if table else row)
+            continue
+        for j, v in rows.get(k, {}).items():
+            row[j] = v
+        for j, ref in enumerate(part.outputs):
+            if ref.kind == "const":
+                row[j] = ref.value
+            elif ref.kind == "input":
+                row[j] = micro[k][c.tensor_inputs[ref.index]]
+        table.append(row)
+    flat_out = microbatch.gather(table, c.output_mode, c.output_period, local)
+    return pytree.tree_unflatten(flat_out, part.out_spec)
+
+
+def _returned_micro_batches(mode, period: int, steps: int) -> List[bool]:
+    """Which micro-batches' outputs the output mode returns (only those are gathered)."""
+    from ...core.enums import OutputMode
+
+    if mode == OutputMode.Final:
+        return [k == steps - 1 for k in range(steps)]
+    if mode == OutputMode.EveryN:
+        return [(k + 1) % period == 0 for k in range(steps)]
+    return [True] * steps
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def expected_processes(model) -> int:
+    c = _compiled(model)
+    return len(c.partition.ipus) * c.batching.replicas
+
+
+def _check_supported(model) -> None:
+    """What the threaded executor does that processes do not (yet): a clear error, not a silent change."""
+    c = _compiled(model)
+    if c.options.anchored_tensors and c.training:
+        raise DistributedError(
+            "Options.anchorTensor: anchored tensors are not supported when stages run as "
+            "processes yet; remove the anchors, or run in one process "
+            "(Options.Distributed.disable()).")
+    low = [n for n, p in model.model.named_parameters()
+           if p.dtype in (torch.float16, torch.bfloat16)]
+    if low and c.training:
+        raise DistributedError(
+            f"half-precision weights ({low[0]}, ...): training them as processes (float32 "
+            "updates, loss scaling) is not supported yet; train in float32, or run in one "
+            "process (Options.Distributed.disable()).")
+
+
+def maybe_run(model, args: tuple, kwargs: dict):
+    """Run one call of ``model`` on processes, or return :data:`NOT_DISTRIBUTED`.
+
+    ``model`` is a PoplarExecutor. Its options decide: several processes
+    configured (torchrun's ``WORLD_SIZE``, or ``Options.Distributed.configureProcessId``)
+    means this process runs its stages of the model with its peers.
+    """
+    opts = model.options
+    if not is_active(opts):
+        return NOT_DISTRIBUTED
+    d = model.__dict__
+    rt = d.get("_ipukit_distributed")
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    started = time.time()
+    try:
+        ensure_process_group(opts)
+        if rt is None or not _is_compiled(model):
+            if not _is_compiled(model):
+                _compile(model, args, kwargs)
+            need = expected_processes(model)
+            if need != opts.Distributed.numProcesses:
+                c = _compiled(model)
+                raise DistributedError(
+                    f"ipukit: this model runs as {need} processes ({len(c.partition.ipus)} "
+                    f"virtual IPU(s) × replicationFactor {c.batching.replicas}), but the run "
+                    f"has {opts.Distributed.numProcesses} (WORLD_SIZE). Launch it with "
+                    f"`ipukit-run --nproc {need} ...`, or change the Stages / "
+                    "replicationFactor.")
+            _check_supported(model)
+            rt = _Runtime(model, flat)
+            d["_ipukit_distributed"] = rt
+        return rt.run(flat)
+    except DistributedError as exc:
+        if not getattr(exc, "_peer", False):
+            _note_failure(exc)
+        raise
+    except BaseException as exc:
+        if _is_comm_error(exc):
+            cause = _peer_failure(started - 1.0)
+            me = opts.Distributed.processId
+            if cause is None:  # nobody raised: a process ended without an error (killed?)
+                err = DistributedError(
+                    f"ipukit: process {me} lost contact with the other processes "
+                    f"({type(exc).__name__}: {_short(str(exc))}) and no process reported an "
+                    "error: one was probably killed (out of memory, a signal); torchrun's "
+                    "report names it.")
+                err._peer = True
+                raise err from exc
+            if not cause.startswith(f"rank {me}:"):
+                who, _, what = cause.partition(": ")
+                err = DistributedError(f"ipukit: {who.replace('rank', 'process')} failed "
+                                       f"({what}), so process {me} stopped too; see that "
+                                       "process's error above.")
+                err._peer = True
+                raise err from exc
+        rank = opts.Distributed.processId
+        _note_failure(exc)
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(ipukit: raised by process {rank} of {opts.Distributed.numProcesses})")
+        raise
+
+
+def _runtime_of(model) -> Optional[_Runtime]:
+    """The runtime of ``model`` (a PoplarExecutor, or ipukit.distributed's wrapper of one)."""
+    model = model.__dict__.get("_executor", model)
+    return model.__dict__.get("_ipukit_distributed")
+
+
+def timeline_source(model) -> Optional[Callable[[], Optional[Timeline]]]:
+    """What builds the timeline of ``model``'s last call on processes, when it is read
+    (None when timelines are not recorded)."""
+    rt = _runtime_of(model)
+    return None if rt is None or not rt.recorder.on else rt.recorder.last
+
+
+def last_timeline(model) -> Optional[Timeline]:
+    """The measured timeline of ``model``'s last call on processes (None before one, or when
+    timelines are not recorded): every process's spans on process 0, its own elsewhere."""
+    rt = _runtime_of(model)
+    return None if rt is None else rt.timeline
+
+
+def synchronize_weights(model) -> None:
+    """Give every process every stage's current weights and buffers (a collective).
+
+    During a run each process updates only its own stages; call this (on every
+    process) before saving or evaluating the whole model on one process.
+    """
+    rt = _runtime_of(model)
+    if rt is not None:
+        _broadcast_stages(rt.compiled.partition, rt.device)
+
+
+def _broadcast_stages(part, device: torch.device) -> None:
+    """Each stage's weights and buffers from its process in replica 0 to every process."""
+    import torch.distributed as dist
+
+    ipus = part.ipus
+    with torch.no_grad():
+        for st in part.stages:
+            owner = ipus.index(st.ipu)  # replica 0's process of that IPU
+            for t in list(st.module.parameters()) + list(st.module.buffers()):
+                moved = t.data.to(device)
+                dist.broadcast(moved, src=owner)
+                t.data.copy_(moved.to(t.device))

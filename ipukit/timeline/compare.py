@@ -1,0 +1,124 @@
+"""Every pipeline schedule side by side, on the same IPUs and the same model (modeled).
+
+A fair comparison keeps the model and the number of virtual IPUs fixed: each
+IPU's part of the model costs ``forward_cost[i]`` / ``backward_cost[i]`` per
+micro-batch, and a schedule that places v stages on each IPU (interleaved,
+looped, ZBV, DualPipeV: v = 2) cuts that part into v stages of 1/v the cost and
+1/v the activations. :func:`compare_schedules` models one step of each kind
+with :func:`ipukit.simulate` and reports its time, its bubble and the peak
+activations each IPU holds, in units of "one micro-batch's activations of one
+IPU's part of the model". Everything here is modeled, and labelled so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+from ..schedules.ir import PIPELINED_KINDS, ScheduleError
+from ..schedules.generators import LOOPED, V_SHAPED, minimum_micro_batches, placement
+from .simulate import per_stage, simulate
+from .events import BACKWARD_END_KINDS, COMPUTE_KINDS, Timeline
+
+Cost = Union[float, Sequence[float]]
+#: Stages per IPU that the comparison gives the schedules placing several there.
+VIRTUAL_STAGES = 2
+
+
+@dataclass
+class ScheduleSummary:
+    """One schedule's modeled step: time, bubble, memory (``available`` False: why not)."""
+
+    kind: str
+    name: str
+    num_stages: int
+    step_time: float = 0.0
+    bubble: float = 0.0                       # idle share of the IPUs' time in the step
+    peak_activations: List[float] = field(default_factory=list)   # per IPU
+    timeline: Optional[Timeline] = None
+    available: bool = True
+    reason: str = ""
+    modeled: bool = True
+
+
+def layout(kind: str, num_ipus: int, virtual_stages: int = VIRTUAL_STAGES) -> List[int]:
+    """The stage → IPU placement the comparison gives ``kind`` on ``num_ipus`` IPUs
+    (``virtual_stages`` per IPU for the looped kinds; a V holds two)."""
+    if kind in LOOPED:
+        return placement(kind, virtual_stages * num_ipus, num_ipus)
+    if kind in V_SHAPED:
+        return placement(kind, 2 * num_ipus)
+    return list(range(num_ipus))
+
+
+def peak_activations(timeline: Timeline, stage_ipus: Sequence[int]) -> List[float]:
+    """Per IPU, the most activations held at once (replica 0), each stage weighted by
+    its share of the IPU's part of the model (1 / stages on that IPU)."""
+    P = max(stage_ipus) + 1
+    share = [1.0 / stage_ipus.count(stage_ipus[s]) for s in range(len(stage_ipus))]
+    marks: List[List[tuple]] = [[] for _ in range(P)]
+    for e in timeline.events:
+        if e.replica != 0 or e.stage < 0:
+            continue
+        if e.kind == "forward":
+            marks[stage_ipus[e.stage]].append((e.start, share[e.stage]))
+        elif e.kind in BACKWARD_END_KINDS:
+            marks[stage_ipus[e.stage]].append((e.end, -share[e.stage]))
+    out = []
+    for ipu_marks in marks:
+        level = peak = 0.0
+        for _, delta in sorted(ipu_marks):   # at equal times, a release comes first
+            level += delta
+            peak = max(peak, level)
+        out.append(round(peak, 9))
+    return out
+
+
+def bubble(timeline: Timeline, num_ipus: int) -> float:
+    """The idle share of ``num_ipus`` IPUs between the step's first and last pass."""
+    passes = [e for e in timeline.events if e.kind in COMPUTE_KINDS and e.replica == 0]
+    if not passes:
+        return 0.0
+    span = max(e.end for e in passes) - min(e.start for e in passes)
+    busy = sum(e.duration for e in passes)
+    return max(0.0, 1.0 - busy / (num_ipus * span)) if span > 0 else 0.0
+
+
+def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost = 1.0,
+              backward_cost: Cost = 2.0, weight_share: float = 0.5,
+              transfer_cost: float = 0.0, virtual_stages: int = VIRTUAL_STAGES
+              ) -> ScheduleSummary:
+    """Model one step of ``kind`` on ``num_ipus`` IPUs (see the module docstring)."""
+    P, M = int(num_ipus), int(micro_batches)
+    ipus = layout(kind, P, virtual_stages)
+    N = len(ipus)
+    summary = ScheduleSummary(kind, PIPELINED_KINDS[kind], N)
+    needed = 1 if kind in ("gpipe", "1f1b") else minimum_micro_batches(kind, N, P)
+    if M < needed:
+        summary.available, summary.reason = False, f"needs ≥ {needed} micro-batches"
+        return summary
+    v = N // P
+    fwd = per_stage(forward_cost, P, "forward_cost")
+    bwd = per_stage(backward_cost, P, "backward_cost")
+    try:
+        tl = simulate(kind, N, M, [fwd[i] / v for i in ipus], [bwd[i] / v for i in ipus],
+                      transfer_cost=transfer_cost, stage_ipus=ipus, weight_share=weight_share)
+    except ScheduleError as exc:
+        summary.available, summary.reason = False, str(exc)
+        return summary
+    tl.meta["stage_ipus"] = ipus
+    summary.timeline = tl
+    summary.step_time = tl.end - tl.start
+    summary.bubble = bubble(tl, P)
+    summary.peak_activations = peak_activations(tl, ipus)
+    return summary
+
+
+def compare_schedules(num_ipus: int, micro_batches: int, forward_cost: Cost = 1.0,
+                      backward_cost: Cost = 2.0, weight_share: float = 0.5,
+                      kinds: Optional[Sequence[str]] = None, transfer_cost: float = 0.0,
+                      virtual_stages: int = VIRTUAL_STAGES) -> Dict[str, ScheduleSummary]:
+    """Every pipelined schedule (or ``kinds``) modeled on the same IPUs and model
+    (``virtual_stages``: stages per IPU of interleaved 1F1B and looped BFS)."""
+    kinds = list(PIPELINED_KINDS) if kinds is None else list(kinds)
+    return {k: summarize(k, num_ipus, micro_batches, forward_cost, backward_cost,
+                         weight_share, transfer_cost, virtual_stages) for k in kinds}

@@ -1,0 +1,228 @@
+"""A timeline: what each virtual IPU did, and when.
+
+Measured timelines (from the executor) and modeled ones (from
+:func:`ipukit.simulate`) are the same type, so every metric, figure and export
+works on both. Times are seconds from the start of the call.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+
+from .analysis import _TimelineAnalysis
+# the kinds have always been importable from here
+from .kinds import BACKWARD_END_KINDS, COMPUTE_KINDS, HOST_KINDS, KIND_NAMES
+
+
+class Event(NamedTuple):
+    """One span of work on one virtual IPU (``stage`` -1 / ``ipu`` -1: the host)."""
+
+    stage: int
+    kind: str                 # forward | backward | step | transfer | host
+    micro_batch: int
+    start: float
+    end: float
+    ipu: int = 0
+    replica: int = 0
+    iteration: int = 0
+    call: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def track(self) -> str:
+        if self.ipu < 0:
+            return "host"
+        return f"IPU {self.ipu}" if self.replica == 0 else f"IPU {self.ipu} · replica {self.replica}"
+
+
+@dataclass
+class Timeline(_TimelineAnalysis):
+    """Events of one (or more) model calls, plus what produced them.
+
+    Basic measures (wall and busy time, utilisation, speed) and exports live here;
+    the pipeline analysis (bubble, idle breakdown, held activations, stage costs)
+    is inherited from :mod:`ipukit.timeline_analysis`.
+    """
+
+    events: List[Event] = field(default_factory=list)
+    modeled: bool = False
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    # -- basic measures -------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return "modeled" if self.modeled else "measured"
+
+    @property
+    def start(self) -> float:
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((e.end for e in self.events), default=0.0)
+
+    @property
+    def wall_time(self) -> float:
+        """Seconds from the first event's start to the last event's end."""
+        return self.end - self.start
+
+    def device_events(self) -> List[Event]:
+        return [e for e in self.events if e.ipu >= 0]
+
+    def tracks(self) -> List[tuple]:
+        """(replica, ipu) of every virtual IPU that appears, sorted."""
+        return sorted({(e.replica, e.ipu) for e in self.device_events()})
+
+    def busy_time(self) -> Dict[tuple, float]:
+        """Seconds of forward and backward passes per (replica, ipu) track."""
+        busy: Dict[tuple, float] = {t: 0.0 for t in self.tracks()}
+        for e in self.device_events():
+            if e.kind in COMPUTE_KINDS:
+                busy[(e.replica, e.ipu)] += e.duration
+        return busy
+
+    def utilisation(self) -> Dict[str, Any]:
+        """Busy time ÷ wall time, per virtual IPU and ``overall`` (÷ wall × IPUs).
+
+        Busy means a forward or backward pass; the optimiser step runs on the
+        host (see :data:`COMPUTE_KINDS`). Utilisation explains a speed, it is not
+        one: compare runs by :meth:`time_per_step` and :meth:`throughput`, and
+        see :meth:`idle_breakdown` for where the idle time goes. Keys: ``per_ipu`` ({ipu: fraction}, replicas averaged), ``per_track``
+        ({"IPU i[ · replica r]": fraction}), ``overall``, ``bubble`` (1 − overall).
+        """
+        wall = self.wall_time
+        busy = self.busy_time()
+        if wall <= 0 or not busy:
+            return {"per_ipu": {}, "per_track": {}, "overall": 0.0, "bubble": 1.0}
+        per_track = {}
+        per_ipu: Dict[int, List[float]] = {}
+        for (replica, ipu), b in busy.items():
+            name = f"IPU {ipu}" if replica == 0 else f"IPU {ipu} · replica {replica}"
+            per_track[name] = b / wall
+            per_ipu.setdefault(ipu, []).append(b / wall)
+        overall = sum(busy.values()) / (wall * len(busy))
+        return {"per_ipu": {i: sum(v) / len(v) for i, v in sorted(per_ipu.items())},
+                "per_track": per_track, "overall": overall, "bubble": 1.0 - overall}
+
+    def throughput(self, samples: Optional[int] = None) -> float:
+        """Samples per second over the timeline's wall time."""
+        samples = self.meta.get("samples") if samples is None else samples
+        if not samples or self.wall_time <= 0:
+            return 0.0
+        return samples / self.wall_time
+
+    @property
+    def iterations(self) -> int:
+        """Optimiser steps (device iterations) in the timeline, per call."""
+        if "iterations" in self.meta:
+            return int(self.meta["iterations"])
+        return max((e.iteration for e in self.events), default=0) + 1
+
+    def time_per_step(self) -> float:
+        """Seconds of wall time per optimiser step (per device iteration for inference)."""
+        calls = len({e.call for e in self.events}) or 1
+        return self.wall_time / (max(1, self.iterations) * calls)
+
+    def speed(self) -> Dict[str, float]:
+        """The numbers to judge a run by: ``wall`` (s), ``time_per_step`` (s), ``samples_per_second``."""
+        return {"wall": self.wall_time, "time_per_step": self.time_per_step(),
+                "samples_per_second": self.throughput()}
+
+    def host_steps(self) -> List[Event]:
+        """The optimiser steps as host events, one per (call, iteration, replica).
+
+        The executor and the model record a step on every stage's track, each with the
+        span of the one host operation that steps all of them; this folds them back.
+        """
+        spans: Dict[tuple, List[float]] = {}
+        for e in self.events:
+            if e.kind == "step":
+                key = (e.call, e.iteration, e.replica)
+                if key in spans:
+                    spans[key][0] = min(spans[key][0], e.start)
+                    spans[key][1] = max(spans[key][1], e.end)
+                else:
+                    spans[key] = [e.start, e.end]
+        return [Event(-1, "step", -1, a, b, -1, r, it, call)
+                for (call, it, r), (a, b) in sorted(spans.items(), key=lambda kv: kv[1][0])]
+
+    def shifted(self, offset: float) -> "Timeline":
+        return Timeline([e._replace(start=e.start + offset, end=e.end + offset)
+                         for e in self.events], self.modeled, dict(self.meta))
+
+    # -- exports ---------------------------------------------------------------
+    def to_chrome_trace(self, path: Optional[str] = None) -> Dict[str, Any]:
+        """Chrome trace-event JSON (opens in Perfetto / chrome://tracing).
+
+        One process per replica, one thread (track) per virtual IPU, plus a host
+        track; complete events (``ph: "X"``) with real durations in µs.
+        """
+        events: List[Dict[str, Any]] = []
+        t0 = self.start
+        pids = sorted({max(e.replica, 0) for e in self.events}) or [0]
+        for pid in pids:
+            events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                           "args": {"name": f"ipukit {self.label} · replica {pid}"}})
+        for replica, ipu in self.tracks():
+            events.append({"ph": "M", "name": "thread_name", "pid": replica, "tid": ipu + 1,
+                           "args": {"name": f"IPU {ipu}"}})
+        if any(e.ipu < 0 for e in self.events):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": 0,
+                           "args": {"name": "host"}})
+        for e in self.events:
+            name = e.kind if e.micro_batch < 0 else f"{e.kind} mb{e.micro_batch}"
+            events.append({
+                "name": name, "cat": e.kind, "ph": "X",
+                "ts": round((e.start - t0) * 1e6, 3), "dur": round(e.duration * 1e6, 3),
+                "pid": max(e.replica, 0), "tid": e.ipu + 1,
+                "args": {"stage": e.stage, "micro_batch": e.micro_batch,
+                         "iteration": e.iteration, "call": e.call}})
+        trace = {"traceEvents": events, "displayTimeUnit": "ms",
+                 "otherData": {"ipukit": self.label, **{k: _plain(v) for k, v in self.meta.items()}}}
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        return trace
+
+    def to_records(self) -> List[Dict[str, Any]]:
+        return [e._asdict() for e in self.events]
+
+    def figure(self, **kwargs):
+        """A plotly Gantt chart of the timeline (see :func:`ipukit.plots.timeline_figure`)."""
+        from ..viz.plots import timeline_figure
+
+        return timeline_figure(self, **kwargs)
+
+    @staticmethod
+    def concat(timelines: Iterable["Timeline"]) -> "Timeline":
+        """Join consecutive calls' timelines on one time axis."""
+        out = Timeline()
+        offset = 0.0
+        for k, tl in enumerate(timelines):
+            shift = offset - tl.start
+            for e in tl.events:
+                out.events.append(e._replace(start=e.start + shift, end=e.end + shift, call=k))
+            offset += tl.wall_time
+            out.modeled = tl.modeled
+            out.meta = dict(tl.meta)
+        return out
+
+    def __repr__(self) -> str:
+        u = self.utilisation()["overall"] if self.events else 0.0
+        speed = f", {self.throughput():,.0f} samples/s" if self.meta.get("samples") else ""
+        return (f"Timeline({self.label}, {len(self.events)} events, "
+                f"wall {self.wall_time * 1e3:.2f} ms{speed}, utilisation {u:.1%})")
+
+
+def _plain(value):
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)

@@ -1,0 +1,317 @@
+"""The schedule model: time a :class:`~ipukit.schedule.Schedule` with given costs.
+
+The model runs the very schedule the executor runs — same lanes, same order,
+same dependencies — with costs instead of work, and returns a
+:class:`~ipukit.Timeline` marked ``modeled``. Costs can be scalars or per-stage
+lists, or come straight from a measured timeline (:func:`costs_from`).
+"""
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from ..schedules.ir import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule, build, walk)
+from .events import COMPUTE_KINDS, Event, KIND_NAMES, Timeline
+
+Cost = Union[float, Sequence[float]]
+
+
+@contextmanager
+def _gc_paused():
+    """Hold off the cyclic garbage collector while building many small tuples.
+
+    The tuples hold no cycles, but allocating tens of thousands of them
+    triggers a full collection over every object torch has created, which
+    costs more than the whole model run (0.15–0.2 s for 16 stages × 1024
+    micro-batches on a 2-core machine).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def per_stage(value: Cost, n: int, name: str) -> List[float]:
+    """A scalar cost for each of ``n`` stages, or a list checked to have ``n`` values."""
+    if isinstance(value, (int, float)):
+        return [float(value)] * n
+    values = [float(v) for v in value]
+    if len(values) != n:
+        raise ValueError(f"{name}: expected one cost per stage ({n}), got {len(values)}")
+    return values
+
+
+def play(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
+         transfers: Optional[Dict[str, Sequence[float]]] = None,
+         start_time: float = 0.0) -> List[List[Tuple[float, float]]]:
+    """(start, end) of every action, per lane, with one core per worker.
+
+    ``costs[kind][stage]`` is the duration of an action (kind ``"F"``, ``"B"``,
+    ``"I"``, ``"W"``, ``"S"``); ``transfers[kind][stage]`` is added when that
+    action waits on another stage. The rules are :func:`ipukit.schedule.walk`'s.
+    """
+    return walk(lanes, num_stages, costs, transfers, start_time)[0]
+
+
+def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost = 1.0,
+             backward_cost: Cost = 2.0, transfer_cost: float = 0.0, host_overhead: float = 0.0,
+             step_cost: Cost = 0.0, iterations: int = 1, replicas: int = 1,
+             stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
+             schedule: Optional[Schedule] = None, weight_share: float = 0.5,
+             input_grad_cost: Optional[Cost] = None,
+             weight_grad_cost: Optional[Cost] = None) -> Timeline:
+    """Model one host call of a pipeline and return its (modeled) timeline.
+
+    ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"sharded"`` (training) or
+    ``"inference"``, ``"sharded-inference"``. ``micro_batches`` is the
+    accumulation window (gradientAccumulation; deviceIterations for inference),
+    ``iterations`` the device iterations of a training call. Costs are seconds
+    (or any unit) per micro-batch, scalars or one per stage; ``transfer_cost``
+    is added between stages on different IPUs; ``host_overhead`` is paid once
+    per call before the first micro-batch (what device iterations amortise).
+
+    Every kind of :data:`ipukit.schedule.KINDS` is modeled, the modern ones
+    (:mod:`ipukit.schedules`) on the placement they need unless ``stage_ipus``
+    says otherwise; a split backward costs ``(1 − weight_share) × backward`` for
+    its input-gradient half and ``weight_share × backward`` for its weight half
+    (or ``input_grad_cost`` / ``weight_grad_cost`` when given, e.g. measured).
+
+    For equal stage costs and no overheads, GPipe's utilisation is exactly
+    M / (M + N − 1).
+    """
+    N = int(num_stages)
+    fwd = per_stage(forward_cost, N, "forward_cost")
+    bwd = per_stage(backward_cost, N, "backward_cost")
+    stp = per_stage(step_cost, N, "step_cost")
+    with _gc_paused():  # tens of thousands of small tuples: see _gc_paused
+        if schedule is None:
+            schedule = build(kind, N, micro_batches, iterations, stage_ipus)
+        ipus = schedule.stage_ipus
+        t_fwd = [transfer_cost if s > 0 and ipus[s - 1] != ipus[s] else 0.0 for s in range(N)]
+        t_bwd = [transfer_cost if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0 for s in range(N)]
+        i_cost = None if input_grad_cost is None else per_stage(input_grad_cost, N, "input_grad_cost")
+        w_cost = None if weight_grad_cost is None else per_stage(weight_grad_cost, N,
+                                                                  "weight_grad_cost")
+        times = play(schedule.lanes, N, split_costs(fwd, bwd, stp, weight_share, i_cost, w_cost),
+                     {FORWARD: t_fwd, BACKWARD: t_bwd}, start_time=host_overhead)
+        events = []
+        if host_overhead > 0:
+            events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
+        new = tuple.__new__
+        names = KIND_NAMES
+        for replica in range(replicas):
+            for lane, lane_times in zip(schedule.lanes, times):
+                events += [new(Event, (s, names[kind], m, start, end, ipus[s], replica, it, 0))
+                           for (kind, s, m, it), (start, end) in zip(lane, lane_times)]
+    meta = {"schedule": schedule.kind, "kind": schedule.kind, "num_stages": N,
+            "micro_batches": micro_batches,
+            "iterations": iterations, "replicas": replicas,
+            "forward_cost": fwd, "backward_cost": bwd, "step_cost": stp,
+            "transfer_cost": transfer_cost, "host_overhead": host_overhead}
+    if samples is not None:
+        meta["samples"] = samples
+    return Timeline(events, modeled=True, meta=meta)
+
+
+def split_costs(fwd: Sequence[float], bwd: Sequence[float], stp: Sequence[float],
+                weight_share: float = 0.5, input_grad: Optional[Sequence[float]] = None,
+                weight_grad: Optional[Sequence[float]] = None) -> Dict[str, Sequence[float]]:
+    """Per-kind action costs; a backward's I and W halves split it by ``weight_share``
+    unless measured halves are given."""
+    if not 0.0 <= weight_share <= 1.0:
+        raise ValueError(f"weight_share must be in [0, 1], got {weight_share}")
+    return {FORWARD: list(fwd), BACKWARD: list(bwd), STEP: list(stp),
+            INPUT_GRAD: list(input_grad) if input_grad else [b * (1 - weight_share) for b in bwd],
+            WEIGHT_GRAD: list(weight_grad) if weight_grad else [b * weight_share for b in bwd]}
+
+
+def costs_from(timeline: Timeline, statistic: str = "median") -> Dict[str, List[float]]:
+    """Per-stage forward/backward/step costs measured in ``timeline`` (its medians).
+
+    ``simulate(kind, N, M, **costs_from(measured))`` is "modeled from this machine".
+    """
+    c = timeline.stage_costs(statistic)
+    return {"forward_cost": c["forward"], "backward_cost": c["backward"], "step_cost": c["step"]}
+
+
+# -- modeling a measured run "from this machine" -------------------------------------------
+
+def play_on_cores(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
+                  cores: int, transfers: Optional[Dict[str, Sequence[float]]] = None,
+                  start_time: float = 0.0, replicas: int = 1
+                  ) -> List[List[List[Tuple[float, float]]]]:
+    """Like :func:`play`, but at most ``cores`` forwards/backwards run at once.
+
+    A CPU runs one worker per lane and replica; when there are more workers
+    than cores, a ready action waits until a core is free (earliest-ready
+    first). Optimiser steps are one host operation in the executor, so they do
+    not take a core. Returns ``times[replica][lane]`` = (start, end) per
+    action. With enough cores the result equals :func:`play`'s.
+    """
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    return walk(lanes, num_stages, costs, transfers, start_time, cores=cores, replicas=replicas)
+
+
+def _host_spans(measured: Timeline) -> Tuple[float, float]:
+    """Host time before the first and after the last device event of a measured call."""
+    device = measured.device_events()
+    if not device:
+        return 0.0, 0.0
+    first = min(e.start for e in device)
+    last = max(e.end for e in device)
+    host = [e for e in measured.events if e.ipu < 0]
+    before = sum(e.duration for e in host if e.end <= first)
+    after = sum(e.duration for e in host if e.start >= last)
+    return before, after
+
+
+def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: bool = True,
+               statistic: str = "median",
+               costs: Optional[Dict[str, Sequence[float]]] = None) -> Timeline:
+    """Model a measured call "from this machine": same schedule, its measured stage costs.
+
+    The schedule (kind, stages, micro-batches, iterations, stage IPUs, replicas)
+    comes from ``measured_timeline.meta``; every forward/backward/step costs the stage's
+    ``statistic`` over the measured events, or ``costs`` when given (a
+    ``Timeline.stage_costs()`` dict, e.g. of an uncontended sharded run of the
+    same stages); with ``host`` the call's set-up and output-gathering spans
+    are kept, so wall time and utilisation compare like for like. ``cores``
+    models a CPU that can run at most that many actions at once (see
+    :func:`play_on_cores`); ``None`` means one core per worker.
+    """
+    measured = measured_timeline
+    meta = measured.meta
+    try:
+        kind = meta["kind"] if "kind" in meta else meta["schedule"]
+        N, M = int(meta["num_stages"]), int(meta["micro_batches"])
+    except KeyError as missing:
+        raise ValueError(f"model_like needs a measured timeline with schedule metadata (meta "
+                         f"lacks {missing}); use ipukit.simulate with explicit costs") from None
+    iterations = int(meta.get("iterations", 1))
+    replicas = int(meta.get("replicas", 1))
+    stage_ipus = meta.get("stage_ipus")
+    schedule = build(kind, N, M, iterations, stage_ipus)
+    c = measured.stage_costs(statistic) if costs is None else {
+        k: [float(v) for v in costs.get(k, [0.0] * N)]
+        for k in ("forward", "backward", "step", "input-grad", "weight-grad")
+        if k in costs or k in ("forward", "backward", "step")}
+    if any(len(v) != N for v in c.values()):
+        raise ValueError(f"costs: expected one value per stage ({N}) for forward/backward/step")
+    if not schedule.training:
+        c["backward"], c["step"] = [0.0] * N, [0.0] * N
+    before, after = _host_spans(measured) if host else (0.0, 0.0)
+    samples = meta.get("samples")
+    if cores is None:
+        tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],
+                      host_overhead=before, iterations=iterations, replicas=replicas,
+                      samples=samples, schedule=schedule, input_grad_cost=c.get("input-grad"),
+                      weight_grad_cost=c.get("weight-grad"))
+    else:
+        tl = _simulate_on_cores(schedule, c, int(cores), before, replicas, samples)
+    if after > 0:
+        end = tl.end
+        tl.events.append(Event(-1, "host", -1, end, end + after, -1, 0, iterations - 1, 0))
+    tl.meta.update({"modeled_from": meta.get("call"), "cores": cores, "statistic": statistic,
+                    "host_after": after})
+    return tl
+
+
+def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int,
+                       host_overhead: float, replicas: int, samples) -> Timeline:
+    N = schedule.num_stages
+    costs = split_costs(c["forward"], c["backward"], c["step"], 0.5, c.get("input-grad"),
+                        c.get("weight-grad"))
+    ipus = schedule.stage_ipus
+    events = []
+    if host_overhead > 0:
+        events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
+    with _gc_paused():
+        times = play_on_cores(schedule.lanes, N, costs, cores, start_time=host_overhead,
+                              replicas=replicas)
+        for replica in range(replicas):
+            for lane, lane_times in zip(schedule.lanes, times[replica]):
+                events += [Event(s, KIND_NAMES[kind], m, start, end, ipus[s], replica, it, 0)
+                           for (kind, s, m, it), (start, end) in zip(lane, lane_times)]
+    meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": schedule.micro_batches,
+            "iterations": schedule.iterations, "replicas": replicas,
+            "forward_cost": c["forward"], "backward_cost": c["backward"], "step_cost": c["step"],
+            "transfer_cost": 0.0, "host_overhead": host_overhead}
+    if samples is not None:
+        meta["samples"] = samples
+    return Timeline(events, modeled=True, meta=meta)
+
+
+# -- costs a contended run's passes would have had alone ----------------------------------------
+
+def available_cores() -> int:
+    """Cores this process may run on: what the executor shares among its workers.
+
+    The executor sizes its workers' threads by the process's CPU affinity
+    (``os.sched_getaffinity``), which can be fewer than ``os.cpu_count()``
+    (containers, ``taskset``); model with the same number.
+    """
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def uncontended_costs(timeline: Timeline, cores: Optional[int] = None,
+                      statistic: str = "median") -> Dict[str, List[float]]:
+    """Per-stage costs of ``timeline``'s passes as if each had had a core to itself.
+
+    A measured span is wall time: when more workers run than there are
+    ``cores`` (default :func:`available_cores`), each pass shares a core and
+    its span stretches. This estimates each pass's own work by integrating,
+    over its span, the share of a core it had — ``min(1, cores / running)``
+    where ``running`` counts the forwards and backwards in progress — which
+    holds when workers share cores fairly (one intra-op thread each, as the
+    executor sets them). Returns ``Timeline.stage_costs()``'s dict, ready for
+    ``model_like(measured, cores=cores, costs=...)``: replaying these costs
+    on ``cores`` cores models the contention once, not twice.
+    """
+    import statistics as stats
+
+    cores = available_cores() if cores is None else int(cores)
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    passes = [e for e in timeline.device_events() if e.kind in COMPUTE_KINDS]
+    marks = sorted([(e.start, 1) for e in passes] + [(e.end, -1) for e in passes])
+    # cumulative core-seconds a running pass has received, at each mark
+    times, credit = [], []
+    running, total, t = 0, 0.0, None
+    for time, delta in marks:
+        if t is not None and time > t and running:
+            total += (time - t) * min(1.0, cores / running)
+        times.append(time)
+        credit.append(total)
+        running += delta
+        t = time
+    import bisect
+
+    def received(a: float) -> float:
+        i = bisect.bisect_right(times, a) - 1
+        return credit[i] if i >= 0 else 0.0
+
+    agg = getattr(stats, statistic)
+    stages = sorted({e.stage for e in timeline.device_events() if e.stage >= 0})
+    own: Dict[tuple, List[float]] = {}
+    for e in passes:
+        own.setdefault((e.kind, e.stage), []).append(received(e.end) - received(e.start))
+    out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
+    steps = timeline.stage_costs(statistic)["step"]
+    split = any(e.kind == "input-grad" for e in passes)
+    for kind in ("forward", "backward") + (("input-grad", "weight-grad") if split else ()):
+        out[kind] = [agg(own[(kind, s)]) if own.get((kind, s)) else 0.0 for s in stages]
+    if split:  # a stage's backward, when it ran split: its two halves
+        out["backward"] = [b or i + w for b, i, w in
+                           zip(out["backward"], out["input-grad"], out["weight-grad"])]
+    out["step"] = list(steps)
+    return out

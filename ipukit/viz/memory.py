@@ -1,0 +1,361 @@
+"""How much memory each pipeline stage needs, and why the schedule matters.
+
+An IPU holds its stage's weights, their gradient accumulators, the optimiser
+state (unless ``TensorLocations`` keeps it in host memory) and — what
+pipelining changes — the activations of every micro-batch whose backward
+has not run yet. :func:`memory_report` counts the first three from the
+compiled model's own tensors, measures one micro-batch's activations per
+stage, and multiplies them by the micro-batches each schedule keeps in flight
+(:func:`activation_stash`): GPipe stashes the whole accumulation window,
+1F1B at most N − s on stage s, sharded execution one, inference none.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.errors import ModelStateError
+from ..schedules.ir import BACKWARD, FORWARD, KINDS, WEIGHT_GRAD, Schedule
+
+
+# -- micro-batches in flight ---------------------------------------------------------------
+
+def activation_stash(kind: str, num_stages: int, micro_batches: int) -> List[int]:
+    """Peak number of micro-batches whose activations each stage holds.
+
+    GPipe: all M (every forward runs before any backward); 1F1B: stage s
+    holds at most N − s (its warm-up forwards plus one); sharded: 1 (one
+    micro-batch goes through every stage and back); inference: 0 (nothing
+    waits for a backward).
+    """
+    kind = kind.lower()
+    if kind not in KINDS:
+        raise ValueError(f"schedule kind {kind!r}: use one of {list(KINDS)}")
+    N, M = int(num_stages), int(micro_batches)
+    if N < 1 or M < 1:
+        raise ValueError("num_stages and micro_batches must be >= 1")
+    if "inference" in kind:
+        return [0] * N
+    if kind == "gpipe":
+        return [M] * N
+    if kind == "1f1b":
+        return [min(N - s, M) for s in range(N)]
+    if kind.startswith("sharded"):
+        return [1] * N
+    from ..schedules.ir import build  # the modern kinds: read off the schedule on its placement
+
+    return stash_of(build(kind, N, M))
+
+
+def stash_of(schedule: Schedule) -> List[int]:
+    """Peak micro-batches held per stage, read off a schedule's action order.
+
+    Counts forwards whose backward (or, split, whose weight-gradient half) has
+    not run yet, stage by stage; for GPipe and 1F1B this equals
+    :func:`activation_stash`.
+    """
+    held = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    if not schedule.training:
+        return peak
+    for lane in schedule.lanes:
+        for a in lane:
+            if a.kind == FORWARD:
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind in (BACKWARD, WEIGHT_GRAD):
+                held[a.stage] -= 1
+    return peak
+
+
+# -- the report ----------------------------------------------------------------------------
+
+@dataclass
+class MemoryReport:
+    """Bytes per pipeline stage (per replica); ``stages`` is a list of dicts.
+
+    Per stage: ``parameter_bytes``, ``gradient_accumulator_bytes``,
+    ``optimizer_state_bytes`` (``optimizer_state_source``: ``"state"`` when
+    counted from the optimiser's tensors, ``"formula"`` when estimated),
+    split into ``optimizer_state_on_chip_bytes`` / ``optimizer_state_host_bytes``,
+    ``activation_bytes_per_micro_batch``, ``micro_batches_in_flight``,
+    ``activation_stash_bytes`` and ``total_on_chip_bytes``.
+    """
+
+    stages: List[Dict[str, Any]]
+    schedule_kind: str
+    num_stages: int
+    micro_batches: int
+    training: bool
+    optimizer: Optional[str] = None
+    optimizer_on_chip: bool = True
+    replicas: int = 1
+    notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def total(self, key: str = "total_on_chip_bytes") -> int:
+        return sum(st[key] for st in self.stages)
+
+    def per_ipu(self, key: str = "total_on_chip_bytes") -> Dict[int, int]:
+        """``key`` summed over the stages of each virtual IPU."""
+        out: Dict[int, int] = {}
+        for st in self.stages:
+            out[st["ipu"]] = out.get(st["ipu"], 0) + st[key]
+        return out
+
+    def figure(self):
+        from .plots import memory_figure
+
+        return memory_figure(self)
+
+    def __repr__(self) -> str:
+        mib = [f"{st['total_on_chip_bytes'] / 2 ** 20:.2f}" for st in self.stages]
+        return (f"MemoryReport({self.schedule_kind}, {self.micro_batches} micro-batches, "
+                f"on chip per stage (MiB): {mib})")
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _unique(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _state_multiple(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[float]:
+    """Optimiser state per parameter, in parameter sizes, for optimisers with no state yet."""
+    o = torch.optim
+    if isinstance(optimizer, o.SGD):
+        return 1.0 if group.get("momentum", 0) else 0.0
+    if isinstance(optimizer, (o.Adam, o.AdamW)):
+        return 3.0 if group.get("amsgrad") else 2.0
+    if isinstance(optimizer, o.RMSprop):
+        return 1.0 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    if isinstance(optimizer, o.Adagrad):
+        return 1.0
+    if isinstance(optimizer, (o.Adadelta, o.Adamax, o.NAdam, o.RAdam)):
+        return 2.0
+    return None
+
+
+def optimizer_state_bytes(optimizer, params: Sequence[torch.nn.Parameter]) -> Tuple[int, str]:
+    """Bytes of optimiser state for ``params``: counted when it exists, else by formula."""
+    if optimizer is None or not params:
+        return 0, "none"
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    total, source = 0, "state"
+    for p in params:
+        state = optimizer.state.get(p)
+        if state:
+            total += tensor_bytes(v for v in state.values() if torch.is_tensor(v))
+            continue
+        group = group_of.get(id(p))
+        if group is None:
+            continue  # not optimised: no state
+        multiple = _state_multiple(optimizer, group)
+        if multiple is None:
+            source = "unknown"
+            continue
+        total += int(multiple * p.numel() * p.element_size())
+        source = "formula" if source == "state" else source
+    return total, source
+
+
+# -- activations ---------------------------------------------------------------------------
+
+_ACTIVATIONS: Dict[int, Tuple[Any, List[int]]] = {}
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. wrappers)
+        return id(t), t.numel() * t.element_size()
+
+
+def _sample_inputs(model) -> List[torch.Tensor]:
+    """One micro-batch of synthetic inputs with the compiled shapes and dtypes."""
+    sig = model.program.signature
+    tensors = []
+    for entry in sig:
+        if entry[0] != "tensor":
+            continue
+        _, shape, dtype = entry
+        if dtype.is_floating_point or dtype.is_complex:
+            tensors.append(torch.randn(shape, dtype=dtype))
+        else:
+            tensors.append(torch.zeros(shape, dtype=dtype))
+    return tensors
+
+
+@contextmanager
+def unchanged_state(modules: Iterable[torch.nn.Module], weights: bool = False):
+    """Run a measurement that leaves buffers (and ``weights``) and every RNG as they were."""
+    modules = list(modules)
+    tensors = [b for m in modules for b in m.buffers()]
+    if weights:
+        tensors += [p for m in modules for p in m.parameters()]
+    saved = [(t, t.detach().clone()) for t in _unique(tensors)]
+    cuda = sorted({t.device.index or 0 for t, _ in saved if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for live, copy in saved:
+                    live.copy_(copy)
+
+
+def _stage_args(plan, stage, flat, outputs) -> list:
+    """A stage's arguments, as the executor builds them (received activations detached)."""
+    device = plan.device_of(stage.index)
+    args = []
+    for ref in stage.args:
+        if ref.kind == "input":
+            v = flat[ref.index].to(device)
+        elif ref.kind == "stage":
+            v = outputs[ref.index][0 if ref.item is None else ref.item]
+            if isinstance(v, torch.Tensor):
+                needs_grad = v.requires_grad
+                v = v.detach().to(device)
+                if needs_grad:
+                    v.requires_grad_()
+        else:
+            v = ref.value
+        args.append(v)
+    return args
+
+
+def _held_bytes(stage, args) -> Tuple[int, tuple]:
+    """Run one stage; bytes of its stashed inputs/outputs and autograd's saved tensors."""
+    own = {_storage_key(t)[0] for t in list(stage.module.parameters())
+           + list(stage.module.buffers())}
+    held: Dict[Any, int] = {}
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            ptr, nbytes = _storage_key(t)
+            if ptr not in own:
+                held[ptr] = max(held.get(ptr, 0), nbytes)
+        return t
+
+    for v in args:
+        keep(v)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = stage.module(*args)
+    outs = out if stage.tuple_output else (out,)
+    for v in outs:
+        keep(v)
+    return sum(held.values()), outs
+
+
+def activation_bytes(model) -> List[int]:
+    """Bytes one micro-batch leaves alive on each stage until its backward runs.
+
+    Runs one synthetic micro-batch forward through the stage modules (as the
+    executor does: each stage's inputs detached, gradients on) and counts,
+    without duplicates, the tensors autograd saves plus the stage's inputs and
+    outputs the executor stashes; parameters and buffers are not activations.
+    Weights, buffers and the random state are left as they were. Cached per
+    compiled model. An inference model runs without gradients and keeps nothing.
+    """
+    plan = model.program
+    if not plan.training:
+        return [0] * plan.partition.num_stages   # run without gradients: nothing is kept
+    cached = _ACTIVATIONS.get(id(plan))
+    if cached is not None and cached[0]() is plan:
+        return list(cached[1])
+    from ..core.ops import running_on_ipu
+
+    stages = plan.partition.stages
+    outputs: Dict[int, tuple] = {}
+    result = []
+    with unchanged_state(st.module for st in stages), torch.enable_grad(), running_on_ipu():
+        flat = _sample_inputs(model)
+        for st in stages:
+            held, outputs[st.index] = _held_bytes(st, _stage_args(plan, st, flat, outputs))
+            result.append(held)
+    _ACTIVATIONS[id(plan)] = (weakref.ref(plan), result)
+    weakref.finalize(plan, _ACTIVATIONS.pop, id(plan), None)
+    return list(result)
+
+
+# -- the report ----------------------------------------------------------------------------
+
+def memory_report(model, schedule_kind: Optional[str] = None,
+                  micro_batches: Optional[int] = None) -> MemoryReport:
+    """Memory per stage of a compiled ipukit model, for its schedule or another one.
+
+    ``schedule_kind`` / ``micro_batches`` default to the model's own schedule
+    (its kind and accumulation window); give others to see what e.g. GPipe
+    with 32 micro-batches would need for the same stages.
+    """
+    plan = getattr(model, "program", None)
+    if plan is None:
+        raise ModelStateError("memory_report() needs a compiled ipukit model: call it once (or "
+                              "model.compile(*inputs)) first.")
+    schedule: Schedule = plan.schedule
+    options = model.options
+    part = plan.partition
+    N = part.num_stages
+    kind = (schedule_kind or schedule.kind).lower()
+    M = int(micro_batches or schedule.micro_batches)
+    if plan.training and "inference" in kind:
+        raise ValueError(f"schedule_kind {kind!r} is an inference schedule; this is a training "
+                         "model (use 'gpipe', '1f1b' or 'sharded')")
+    if not plan.training and "inference" not in kind:
+        kind = "sharded-inference" if kind.startswith("sharded") else "inference"
+    if kind == schedule.kind and M == schedule.micro_batches:
+        in_flight = stash_of(schedule)
+    else:
+        in_flight = activation_stash(kind, N, M)
+    per_mb = activation_bytes(model)
+    optimizer = model.optimizer if plan.training else None
+    on_chip = options.TensorLocations.on_chip("optimizer")
+    stages = []
+    for st in part.stages:
+        params = _unique(st.parameters)
+        trainable = [p for p in params if p.requires_grad] if plan.training else []
+        opt_bytes, source = optimizer_state_bytes(optimizer, trainable)
+        entry = {
+            "stage": st.index, "ipu": st.ipu, "blocks": list(st.blocks),
+            "parameters": sum(p.numel() for p in params),
+            "parameter_bytes": tensor_bytes(params),
+            "gradient_accumulator_bytes": tensor_bytes(trainable),
+            "optimizer_state_bytes": opt_bytes,
+            "optimizer_state_source": source,
+            "optimizer_on_chip": on_chip,
+            "optimizer_state_on_chip_bytes": opt_bytes if on_chip else 0,
+            "optimizer_state_host_bytes": 0 if on_chip else opt_bytes,
+            "activation_bytes_per_micro_batch": per_mb[st.index],
+            "micro_batches_in_flight": in_flight[st.index],
+            "activation_stash_bytes": per_mb[st.index] * in_flight[st.index],
+        }
+        entry["total_on_chip_bytes"] = (entry["parameter_bytes"]
+                                        + entry["gradient_accumulator_bytes"]
+                                        + entry["optimizer_state_on_chip_bytes"]
+                                        + entry["activation_stash_bytes"])
+        stages.append(entry)
+    notes = []
+    if any(st["optimizer_state_source"] == "formula" for st in stages):
+        notes.append("optimiser state estimated from the optimiser type (no state yet)")
+    if any(st["optimizer_state_source"] == "unknown" for st in stages):
+        notes.append(f"optimiser state of {type(optimizer).__name__} is not known before "
+                     "its first step: counted as 0")
+    return MemoryReport(stages=stages, schedule_kind=kind, num_stages=N, micro_batches=M,
+                        training=plan.training,
+                        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                        optimizer_on_chip=on_chip, replicas=options.replication_factor,
+                        notes=notes)
