@@ -8,8 +8,9 @@ per-IPU timeline (``model.getTimeline()``).
 # ``ipukit.simulate`` is both a module (kept as an alias of ipukit.timeline.simulate) and,
 # as in earlier releases, the function below: the alias is loaded first so that a later
 # ``import ipukit.simulate`` does not rebind the package attribute to the module.
+from . import schedule as _schedule_module  # noqa: F401  (ipukit.schedule: the schedules)
 from . import simulate as _simulate_module  # noqa: F401
-from .core import optim
+from .core import errors, optim
 from .core.blocks import BeginBlock, Block, BlockFunction, removeBlocks
 from .core.enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                          HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,

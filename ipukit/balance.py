@@ -137,7 +137,7 @@ def _as_args(sample_inputs) -> Tuple:
 
 def discover_blocks(model: torch.nn.Module, sample_inputs) -> List[str]:
     """Block ids in the order ``model`` enters them on ``sample_inputs`` (one eager run)."""
-    recorder = _BlockNames(PipelinedExecution(AutoStage.AutoIncrement)._stage_manager())
+    recorder = _BlockNames(PipelinedExecution(AutoStage.AutoIncrement).stage_manager())
     previous = _blocks.set_recorder(recorder)
     try:
         with unchanged_state([model]), torch.no_grad():
@@ -160,12 +160,11 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple,
     Learning rate 0 and restored weights, buffers and random state leave the
     user's model as it was; a training wrapper the user already has stays.
     """
-    from .model import _TRAINING_WRAPPERS, trainingModel
+    from .model import trainingModel, training_wrapper_set_aside
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    wrapper_ref = _TRAINING_WRAPPERS.pop(model, None)
-    try:
+    with training_wrapper_set_aside(model):
         with unchanged_state([model], weights=True):
             timing = trainingModel(model, options, optimizer)
             try:
@@ -174,9 +173,6 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple,
                 return timing.getTimeline(), [st.blocks for st in timing.program.partition.stages]
             finally:
                 timing.destroy()
-    finally:
-        if wrapper_ref is not None:
-            _TRAINING_WRAPPERS[model] = wrapper_ref
 
 
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],

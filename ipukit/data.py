@@ -68,7 +68,7 @@ class DataLoader(torch.utils.data.DataLoader):
             raise OptionsError(f"DataLoader(mode={mode!r}): not a data loader mode; use one of "
                                f"{[str(m) for m in DataLoaderMode]} (e.g. "
                                "ipukit.DataLoaderMode.Async to load ahead on a thread).") from None
-        options._freeze()
+        options.freeze()
         self.options = options
         self._mode = mode
         self._async_options = dict(async_options or {})

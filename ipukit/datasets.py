@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .core.errors import DataError
+from .core.errors import DataError, needs_extra
 
 DATA_ENV = "IPUKIT_DATA"
 DEFAULT_ROOT = "~/.torch/datasets"
@@ -28,7 +28,8 @@ def data_root(root: Optional[str] = None) -> str:
 
 def mnist(train: bool = True, root: Optional[str] = None, download: bool = True):
     """torchvision's MNIST with the tutorial's transform (ToTensor, Normalize)."""
-    import torchvision
+    with needs_extra("examples", "ipukit.datasets.mnist"):
+        import torchvision
 
     path = data_root(root)
     transform = torchvision.transforms.Compose([

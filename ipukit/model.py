@@ -1,17 +1,19 @@
 """``trainingModel`` and ``inferenceModel``: PopTorch's model wrappers.
 
 The wrapper (:class:`PoplarExecutor`, PopTorch's name) compiles on the first
-call (:mod:`ipukit.compiler` builds a frozen :class:`~ipukit.program.Program`);
-each call then splits the combined batch (:mod:`ipukit.microbatch`), runs the
-program's schedule on per-IPU workers (:mod:`ipukit.executor`) and returns
+call (:mod:`ipukit.compile.compiler` builds a frozen :class:`~ipukit.compile.program.Program`);
+each call then splits the combined batch (:mod:`ipukit.core.batching`), runs the
+program's schedule on per-IPU workers (:mod:`ipukit.runtime.executor`) and returns
 outputs per the output mode. The stages share the user's ``Parameter``
 objects, so the user's module, a training model and an inference model of it
-always see the same weights. PopTorch's other wrapper methods live in
-:mod:`ipukit.model_methods`.
+always see the same weights. PopTorch's other wrapper methods (state,
+device, weights, anchors) are at the end of the class.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import datetime
 import time
 import warnings
 import weakref
@@ -19,17 +21,45 @@ from typing import Any, List, Optional
 
 import torch
 import torch.utils.hooks
-from torch.utils import _pytree as pytree
+from ._torch import pytree
 
 from .core import anchors, batching as microbatch
 from .compile import compiler
 from .core.enums import OutputMode
-from .core.errors import (Error, InputShapeError, ModelStateError, OptionsError, PipelineConfigError, UnsupportedError)
+from .core.errors import (Error, InputShapeError, ModelStateError, OptionsError,
+                          PipelineConfigError, UnsupportedError)
 from .runtime.executor import CallRunner, StateSnapshot
-from .model_methods import DESTROYED, PopTorchMethods, ipu_only_method
 from .core.options import Options
 from .compile.program import Program
 from .timeline.events import Event, Timeline
+
+
+# PopTorch model methods that measured or stored IPU-only things: a clear error
+# instead of an AttributeError naming the user's model class.
+_TIMELINE = ("ipukit measures wall-clock spans instead: model.getTimeline() holds every "
+             "micro-batch's forward/backward per virtual IPU and the host's work.")
+_IPU_ONLY_METHODS = {
+    "cycleCount": "there are no IPU cycles to count; " + _TIMELINE,
+    "getPerfCounters": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getHostIpuLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getComputeLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "getIpuHostLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    "save": ("ipukit has no IPU executable to save; save the weights with "
+             "torch.save(model.state_dict(), path)."),
+    "compileAndExport": ("ipukit has no IPU executable to export; a model is traced when "
+                         "first called. Save the weights with torch.save(model.state_dict(), "
+                         "path) instead."),
+    "loadExecutable": ("ipukit has no IPU executables; call the model (or "
+                       "compile(*inputs)) to prepare it."),
+}
+
+DESTROYED = ("This model was destroyed (model.destroy()) and can no longer run. Wrap the "
+              "module again: ipukit.trainingModel(module, options, optimizer) or "
+              "ipukit.inferenceModel(module, options).")
+
+NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
+                 "model.compile(*inputs)) first.")
 
 
 def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
@@ -63,7 +93,7 @@ def _checked_arguments(model: torch.nn.Module, options: Optional[Options], train
     if not isinstance(options, Options):
         raise OptionsError(f"Invalid type: 'options' is of type {type(options).__name__} "
                            "(expected ipukit.Options).")
-    options._freeze()
+    options.freeze()
     opts = options.clone()
     if opts.defaultOutputMode():  # PopTorch's Default, resolved where every mode is
         opts.outputMode(microbatch.resolve_output_mode(OutputMode.Default, training))
@@ -87,11 +117,11 @@ def _checked_arguments(model: torch.nn.Module, options: Optional[Options], train
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         _check_optimizer(optimizer, model)
-    opts._freeze()
+    opts.freeze()
     return opts, optimizer
 
 
-class PoplarExecutor(PopTorchMethods):
+class PoplarExecutor:
     """A model wrapped for ipukit: call it like the module it wraps.
 
     Attribute access falls through to the wrapped module, so
@@ -278,6 +308,104 @@ class PoplarExecutor(PopTorchMethods):
         return anchors.AnchorRecorder(wanted.values(), self._program.trainable, names,
                                       batching.factor, batching.device_iterations)
 
+    # -- PopTorch's other wrapper methods: state, device, weights, anchors ------------
+
+    def getTensorNames(self) -> List[str]:
+        """The tensors ``Options.anchorTensor`` can name for this model (see :mod:`ipukit.anchors`)."""
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        return anchors.tensor_names(self._user_model, self._training)
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchored tensor from the last call."""
+        wanted = self._options.anchored_tensors
+        if short_name not in wanted:
+            raise OptionsError(
+                f"getAnchoredTensor({short_name!r}): no tensor anchored under that name; "
+                f"anchored: {sorted(wanted) or 'none'}. Anchor it first with "
+                f"options.anchorTensor({short_name!r}, 'Gradient___<parameter>').")
+        if short_name not in self._anchored:
+            raise ModelStateError(f"getAnchoredTensor({short_name!r}): run the model first; "
+                                  "anchored tensors are recorded by each call.")
+        return self._anchored[short_name]
+
+    def getTimeline(self) -> Optional[Timeline]:
+        """The measured :class:`~ipukit.Timeline` of the last call (None before any call)."""
+        source = self.__dict__.get("_timeline_source")
+        if source is not None:  # built on first read (stages as processes)
+            self.__dict__["_timeline_source"], self._timeline = None, source()
+        return self._timeline
+
+    def isCompiled(self) -> bool:
+        return self._program is not None
+
+    def isAttachedToDevice(self) -> bool:
+        return self._program is not None and self._attached
+
+    def detachFromDevice(self) -> None:
+        """Release the virtual IPUs (the next call attaches again)."""
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        if not self._attached:
+            raise ModelStateError("Device is not attached: call attachToDevice() first, or just "
+                                  "call the model, which attaches it.")
+        self._attached = False
+
+    def attachToDevice(self) -> None:
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        if self._attached:
+            raise ModelStateError("Device is already attached.")
+        self._attached = True
+
+    def copyWeightsToHost(self) -> None:
+        """Weights are shared with the host module: nothing to copy in one process. With stages
+        as processes, every process gets every stage's weights (a collective: call it on all)."""
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        if self._options.Distributed.numProcesses > 1:
+            from .runtime.processes import runtime as distributed
+
+            distributed.synchronize_weights(self)
+
+    def copyWeightsToDevice(self) -> None:
+        """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Kept for PopTorch programs: buffers are shared with the host module, nothing to copy."""
+        self.copyWeightsToDevice()
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long tracing and partitioning the model took (its "compilation")."""
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        return datetime.timedelta(seconds=self._program.compile_seconds)
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        return False
+
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer`` (e.g. with a new learning rate) from the next call on."""
+        if not self._training:
+            raise ModelStateError("setOptimizer(): an inference model has no optimizer.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise OptionsError(f"setOptimizer({optimizer!r}): expected a torch.optim.Optimizer.")
+        self._optimizer = optimizer
+
+    def destroy(self) -> None:
+        """Forget the compiled model and unwrap the module (it can be wrapped again).
+
+        A destroyed wrapper no longer runs: calling it is an error, so two
+        training wrappers of one module can never both train.
+        """
+        self._destroyed = True
+        self._program = None
+        self.__dict__.pop("_ipukit_distributed", None)
+        self._attached = False
+        forget_training_wrapper(self)
+
 
 def _outputs(program: Program, rows: List[list], micro: List[list]):
     """The call's outputs, in the model's structure, per the output mode."""
@@ -335,6 +463,18 @@ def forget_training_wrapper(wrapper: PoplarExecutor) -> None:
     """``wrapper.destroy()``: its module may be wrapped for training again."""
     if wrapper.training and training_wrapper(wrapper.model) is wrapper:
         del _TRAINING_WRAPPERS[wrapper.model]
+
+
+@contextlib.contextmanager
+def training_wrapper_set_aside(model: torch.nn.Module):
+    """While inside: ``model`` counts as not wrapped for training, so a throw-away training
+    model of it can be made (``balance`` times one); the user's wrapper is back afterwards."""
+    ref = _TRAINING_WRAPPERS.pop(model, None)
+    try:
+        yield
+    finally:
+        if ref is not None:
+            _TRAINING_WRAPPERS[model] = ref
 
 
 def training_wrapper(model: torch.nn.Module) -> Optional[PoplarExecutor]:
@@ -400,3 +540,13 @@ def inferenceModel(model: torch.nn.Module, options: Optional[Options] = None) ->
     if not isinstance(model, torch.nn.Module):
         raise OptionsError(f"inferenceModel({model!r}): expected a torch.nn.Module.")
     return PoplarExecutor(model, options, training=False)
+
+
+def ipu_only_method(name: str):
+    """A stand-in for a PopTorch method that has no meaning off the IPU, or None."""
+    if name not in _IPU_ONLY_METHODS:
+        return None
+
+    def unsupported(*args, **kwargs):
+        raise UnsupportedError(f"{name}(): {_IPU_ONLY_METHODS[name]}")
+    return unsupported

@@ -1,6 +1,7 @@
-"""Alias kept for existing code: ``ipukit.schedule`` is :mod:`ipukit.schedules.ir`."""
+"""Alias kept for existing code: ``ipukit.schedule`` is :mod:`ipukit.schedules` (the IR,
+``build`` and ``walk`` are all there)."""
 import sys
 
-from .schedules import ir as _module
+from . import schedules as _module
 
 sys.modules[__name__] = _module

@@ -534,7 +534,7 @@ def test_weights_are_copied_where_the_first_stage_would_wait_for_a_peer():
     process then waits for the next stage); a process that waits from the start copies at once."""
     from ipukit.runtime.processes.runtime import idle_point
     from ipukit.runtime.processes.stages import process_lanes
-    from ipukit.schedules.ir import build
+    from ipukit.schedules import build
     from ipukit.schedules.generators import placement
 
     want = {("1f1b", 2, 2): [(0, 1), None], ("gpipe", 2, 2): [(0, 7), None],

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import ipukit
+from ipukit.core.errors import UnsupportedError
 from ipukit.ipuconfig.config import (ATTRIBUTES, IPUConfigError, IPUConfigTypeError,
                                _expand_layers_per_ipu_wildcard)
 
@@ -397,7 +398,8 @@ def test_from_pretrained_overrides_then_checks_again():
 # -- the Hub: never downloads in tests ----------------------------------------------------------
 def test_hub_id_without_huggingface_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
-    with pytest.raises(IPUConfigError, match="huggingface_hub package.*pass its local path"):
+    with pytest.raises(UnsupportedError,
+                       match=r'huggingface_hub package.*pip install "ipukit\[hub\]".*pass its local path'):
         ipukit.IPUConfig.from_pretrained("Graphcore/vit-base-ipu")
 
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 import ipukit
 from ipukit.core.errors import ModelStateError
 from ipukit.viz.memory import activation_stash, memory_report, stash_of
-from ipukit.schedules.ir import build
+from ipukit.schedules import build
 
 WIDTH, MB = 8, 5          # features, samples per micro-batch
 

@@ -2,7 +2,7 @@
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-from ipukit.schedules.ir import (Action, Schedule, ScheduleError, build, walk, BACKWARD, FORWARD,
+from ipukit.schedules import (Action, Schedule, ScheduleError, build, walk, BACKWARD, FORWARD,
                              STEP)
 
 PIPELINED = [("gpipe", 4, 8), ("1f1b", 4, 8), ("1f1b", 3, 3), ("gpipe", 2, 5), ("1f1b", 5, 2)]

@@ -8,7 +8,7 @@ import torch
 import ipukit
 from helpers import StackNet, clone_model, make_data, max_weight_diff, reference_training
 from ipukit.timeline.compare import compare_schedules
-from ipukit.schedules.ir import PIPELINED_KINDS, ScheduleError, build, walk
+from ipukit.schedules import PIPELINED_KINDS, ScheduleError, build, walk
 from ipukit.schedules.generators import (LOOPED, SPLIT_BACKWARD, V_SHAPED, lanes_for, minimum_micro_batches,
                               placement)
 

@@ -7,7 +7,7 @@ import pytest
 
 import ipukit
 from ipukit import Timeline
-from ipukit.schedules.ir import build
+from ipukit.schedules import build
 from ipukit.timeline.simulate import model_like, play, play_on_cores
 
 KINDS = ("gpipe", "1f1b", "sharded", "inference", "sharded-inference")

@@ -13,11 +13,11 @@ import time
 from typing import Any, List, Optional
 
 import torch
-from torch.utils import _pytree as pytree
+from .._torch import pytree
 
 from ..core import anchors, batching as microbatch
 from . import partition
-from ..schedules import ir as schedules
+from .. import schedules
 from ..core.errors import Error, InputShapeError, OptionsError, PipelineConfigError, TracingError
 from ..core.options import Options
 from .program import Program, signature_of

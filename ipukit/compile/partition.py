@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from .._torch import pytree
 
 from ..core import blocks as _blocks
 from .flat import flat_stage
@@ -287,7 +287,7 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
 
     flat_model = _FlatModel(model, in_spec, flat_inputs)
     tensors = tuple(v for v in flat_inputs if isinstance(v, torch.Tensor))
-    recorder = _blocks.BlockRecorder(strategy._stage_manager(), split_stages)
+    recorder = _blocks.BlockRecorder(strategy.stage_manager(), split_stages)
     begins: List[Tuple[str, int]] = []
     original_begin = recorder.begin
 
@@ -497,7 +497,7 @@ def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
 @contextlib.contextmanager
 def recording_blocks(strategy: PipelinedExecution):
     """Record blocks during an eager call (to detect Blocks in an untraceable model)."""
-    recorder = _blocks.BlockRecorder(strategy._stage_manager())
+    recorder = _blocks.BlockRecorder(strategy.stage_manager())
     recorder_begin = recorder.begin
 
     def begin(user_id, ipu_id):  # no pipe_split outside a trace

@@ -1,7 +1,7 @@
 """The machinery every option group shares: freezing, ignored setters, typo hints.
 
 Kept apart from :mod:`ipukit.options` so that the groups and the setter mixins of
-:class:`~ipukit.Options` (:mod:`ipukit.options_setters`) can build on it without
+:class:`~ipukit.Options` (its setters) can build on it without
 importing ``Options`` itself.
 """
 from __future__ import annotations
@@ -50,10 +50,11 @@ class _OptionGroup:
     def _children(self) -> List["_OptionGroup"]:
         return [v for v in self.__dict__.values() if isinstance(v, _OptionGroup)]
 
-    def _freeze(self) -> None:
+    def freeze(self) -> None:
+        """Freeze these options and their groups: a later setter raises FrozenOptionsError."""
         object.__setattr__(self, "_frozen", True)
         for child in self._children():
-            child._freeze()
+            child.freeze()
 
     def _check_not_frozen(self, call: str) -> None:
         if self._frozen:

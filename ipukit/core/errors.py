@@ -7,6 +7,7 @@ raised in the same situation (``AttributeError`` for frozen or unknown options,
 
 Messages follow PopTorch's model: name the option, the value, and the fix.
 """
+import contextlib
 
 
 class Error(RuntimeError):
@@ -67,3 +68,23 @@ class DataError(Error):
 
 class LossError(Error, ValueError):
     """The model's loss cannot be trained on (not a scalar, no loss output)."""
+
+
+class MissingExtraError(Error, ImportError):
+    """A part of ipukit whose optional dependencies (an extra) are not installed."""
+
+
+@contextlib.contextmanager
+def needs_extra(extra: str, where: str):
+    """Around an optional import: a missing package becomes an error naming the extra.
+
+    >>> with needs_extra("viz", "ipukit.plots"):
+    ...     import plotly.graph_objects as go
+    """
+    try:
+        yield
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or "a package"
+        raise MissingExtraError(
+            f"{where} needs {missing}, which is not installed. Install the extra: "
+            f'pip install "ipukit[{extra}]"') from exc

@@ -10,7 +10,8 @@ import threading
 from typing import Callable, List, Optional
 
 import torch
-import torch.utils._pytree
+
+from .._torch import pytree
 
 from .enums import MatMulSerializationMode, MultiConvPlanType, OverlapMode
 from .errors import Error, OperationError, UnsupportedError
@@ -166,7 +167,7 @@ def _overlap(op: str, tensors, mode):
     if not isinstance(mode, OverlapMode):
         raise OperationError(f"ipukit.{op}: mode={mode!r} must be an OverlapMode "
                              "(e.g. OverlapMode.OverlapAccumulationLoop).")
-    leaves = torch.utils._pytree.tree_leaves(tensors)
+    leaves = pytree.tree_leaves(tensors)
     for leaf in leaves:
         _tensor_arg(op, "every element", leaf)
     return tensors

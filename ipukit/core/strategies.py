@@ -102,7 +102,8 @@ class PipelinedExecution:
             raise BlockError(f"Unknown block {block_id!r}; known blocks: {list(self._block_map)}")
         return self._block_map[block_id]
 
-    def _stage_manager(self) -> "StageAssigner":
+    def stage_manager(self) -> "StageAssigner":
+        """A fresh assigner of blocks to (stage id, IPU) for one trace (PopTorch's stage manager)."""
         return StageAssigner(self)
 
     def _to_dict(self) -> dict:

@@ -40,7 +40,10 @@ import traceback
 from typing import List, Optional, Sequence
 
 import torch
-from tqdm.auto import tqdm
+from ..core.errors import needs_extra
+
+with needs_extra("examples", "ipukit.examples.mnist_pipeline"):
+    from tqdm.auto import tqdm
 
 import ipukit
 from ipukit.datasets import DATA_ENV, DEFAULT_ROOT, mnist_tensors

@@ -34,21 +34,25 @@ Any other unknown key is an :class:`IncompatibleIPUConfigError`.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..core.errors import UnknownOptionError
-from .io import IPU_CONFIG_NAME, _IPUConfigFiles
-from .options import _IPUConfigOptions
+from . import io, options
+from .io import IPU_CONFIG_NAME
 # the rules, and names that have always been importable from here
-from .rules import (ATTRIBUTES, DEPRECATED_KEYS, MANAGED, METADATA_KEYS, MODES, OUTPUT_MODES, _SPEC, IncompatibleIPUConfigError, IPUConfigError, IPUConfigTypeError, _check_value, _is_int, _unknown_keys_error, cross_check, read_legacy)
+from .rules import (ATTRIBUTES, DEPRECATED_KEYS, MANAGED, METADATA_KEYS,  # noqa: F401
+                    MODES, OUTPUT_MODES, SPEC, IncompatibleIPUConfigError, IPUConfigError,
+                    IPUConfigTypeError, check_value, cross_check, is_int, mode_name,
+                    parse_updates, read_legacy, unknown_keys_error)
 
 
-class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
+class IPUConfig:
     """optimum-graphcore's IPU configuration: batching, placement and IPU compiler settings.
 
     >>> config = IPUConfig(layers_per_ipu=[2, 2, 2, 2], gradient_accumulation_steps=8)
@@ -58,10 +62,10 @@ class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
 
     Every keyword is an attribute (see the README's "IPUConfig" section for the
     full list and defaults); an unknown keyword is an :class:`IncompatibleIPUConfigError`.
-    This class holds the attributes, their checks on assignment and the
-    training/inference modes; serialisation is inherited from
-    :mod:`ipukit.ipu_config_io`, the conversion to Options from
-    :mod:`ipukit.ipu_config_options`; the rules live in :mod:`ipukit.ipu_config_rules`.
+    This class holds the attributes, their checks on assignment, the
+    training/inference modes and every public method. Its helpers: the rules in
+    :mod:`.rules`, files and the Hub in :mod:`.io`, the conversion to Options in
+    :mod:`.options` (free functions, given the configuration or plain values).
     """
 
     CONFIG_NAME = IPU_CONFIG_NAME
@@ -103,7 +107,7 @@ class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
             "execute_encoder_on_cpu_for_generation", False)
         read_legacy(args, kwargs, self._notes)
         if kwargs:
-            raise _unknown_keys_error(kwargs, "received")
+            raise unknown_keys_error(kwargs, "received")
 
         self.seed = args["seed"]
         self.layers_per_ipu = args["layers_per_ipu"]
@@ -128,8 +132,8 @@ class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
 
     # -- attribute validation ---------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SPEC:
-            _check_value(name, value)
+        if name in SPEC:
+            check_value(name, value)
             object.__setattr__(self, name, copy.deepcopy(value))
         elif name == "mode":
             type(self).mode.fset(self, value)
@@ -138,7 +142,7 @@ class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
         elif name.startswith("_"):
             object.__setattr__(self, name, value)
         else:
-            raise _unknown_keys_error([name], "cannot set")
+            raise unknown_keys_error([name], "cannot set")
 
     def __getattr__(self, name: str):
         # only reached for names that are not set: the mode-dependent views and typos
@@ -176,30 +180,125 @@ class IPUConfig(_IPUConfigFiles, _IPUConfigOptions):
         return self
 
     def _get_managed_attr_mode_name(self, attr: str) -> str:
-        """The attribute a mode-dependent view refers to in the current mode."""
-        if attr in MANAGED and self._mode == "inference":
-            return f"inference_{attr}"
-        return attr
-
-    @contextlib.contextmanager
-    def _in_mode(self, mode: str) -> Iterator["IPUConfig"]:
-        """Read and write ``mode``'s views for a while, then return to the current mode."""
-        old_mode = self._mode
-        self.mode = mode
-        try:
-            yield self
-        finally:
-            object.__setattr__(self, "_mode", old_mode)
+        """The attribute a mode-dependent view refers to in the current mode (optimum's name)."""
+        return mode_name(attr, self._mode)
 
     # -- cross-checks --------------------------------------------------------------
     def _validate_ipu_config(self) -> "IPUConfig":
-        """The rules between attributes, in both modes (:func:`.ipu_config_rules.cross_check`)."""
+        """The rules between attributes, in both modes (:func:`.rules.cross_check`; optimum's name)."""
         return cross_check(self)
 
     @property
     def legacy_notes(self) -> List[str]:
         """What loading this configuration dropped or reinterpreted (older Hub files)."""
         return list(self._notes)
+
+    # -- serialisation: dicts, JSON, folders and the Hub (files: .io) -----------------------
+    def to_dict(self) -> Dict[str, Any]:
+        """Every attribute (not the mode), as a JSON-serialisable dict."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in ATTRIBUTES}
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """The configuration as JSON (sorted keys, 2-space indent, final newline).
+
+        ``use_diff`` is accepted for optimum's signature; every attribute is written
+        either way, as optimum's IPUConfig did.
+        """
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def to_json_file(self, json_file_path: Union[str, os.PathLike], use_diff: bool = True) -> None:
+        """Write :meth:`to_json_string` to ``json_file_path``."""
+        io.write_text(json_file_path, self.to_json_string(use_diff))
+
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs: Any) -> str:
+        """Write ``save_directory/ipu_config.json`` (the folder is created); returns the path."""
+        path = io.save_path(save_directory, push_to_hub=bool(kwargs.get("push_to_hub")))
+        self.to_json_file(path)
+        return path
+
+    @classmethod
+    def from_dict(cls, config_dict: Dict[str, Any], **kwargs: Any):
+        """Build from a dict (an ``ipu_config.json``'s contents); ``kwargs`` override attributes.
+
+        With ``return_unused_kwargs=True`` returns ``(config, unused)`` and unknown
+        override keys are returned instead of raising.
+        """
+        return_unused = kwargs.pop("return_unused_kwargs", False)
+        if not isinstance(config_dict, dict):
+            raise IPUConfigError(f"IPUConfig.from_dict({config_dict!r}): expected a dict.")
+        config = cls(**config_dict)
+        unused = {k: v for k, v in kwargs.items() if k not in SPEC}
+        if unused and not return_unused:
+            raise unknown_keys_error(unused, "override has")
+        for key, value in kwargs.items():
+            if key in SPEC:
+                setattr(config, key, value)
+        if len(unused) < len(kwargs):
+            config._validate_ipu_config()
+        return (config, unused) if return_unused else config
+
+    @classmethod
+    def from_json_file(cls, json_file: Union[str, os.PathLike]) -> "IPUConfig":
+        """Build from a JSON file."""
+        return cls.from_dict(io.read_json(str(json_file)))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Union[str, os.PathLike],
+                        **kwargs: Any):
+        """Load an ``ipu_config.json``: a file, a folder holding one, or a Hugging Face Hub id.
+
+        Keyword arguments that name attributes override the loaded values (then the
+        cross-checks run again); ``revision=``, ``cache_dir=``, ``token=`` go to the Hub
+        download; ``return_unused_kwargs=True`` returns ``(config, unused)``. A Hub id
+        (``"Graphcore/vit-base-ipu"``) needs ``huggingface_hub`` (``pip install
+        "ipukit[hub]"``) and a network connection; otherwise download the file and pass
+        its path.
+        """
+        hub_kwargs = io.pop_hub_kwargs(kwargs)
+        path = io.resolve(str(pretrained_model_name_or_path), hub_kwargs)
+        return cls.from_dict(io.read_json(path), **kwargs)
+
+    def update_from_string(self, update_str: str) -> "IPUConfig":
+        """Update attributes from ``"name=value,name=value"``.
+
+        Values are read as the attribute's type: ints, floats, ``true``/``false``
+        (also ``1``/``0``, ``yes``/``no``), strings as they are, lists as
+        ``[a b c]``; ``none`` sets an optional attribute to None. The cross-checks run
+        after all the updates, e.g. ``"layers_per_ipu=[4 4],ipus_per_replica=2"``.
+        """
+        for key, value in parse_updates(update_str, self.to_dict()).items():
+            setattr(self, key, value)
+        self._validate_ipu_config()
+        return self
+
+    # -- batching and Options (the conversion: .options) ------------------------------------
+    def batch_size_factor(self, for_inference: bool = False) -> int:
+        """Combined batch ÷ micro-batch: replication × gradient accumulation (1 for inference) × device iterations."""
+        if for_inference:
+            return self.inference_replication_factor * self.inference_device_iterations
+        return (self.replication_factor * self.gradient_accumulation_steps
+                * self.device_iterations)
+
+    def to_options(self, for_inference: bool = False, compile_only: bool = False):
+        """The :class:`~ipukit.Options` for training (or inference) that this configuration describes.
+
+        Honoured: replication, device iterations, gradient accumulation (reduced
+        with Mean), the output mode (``All`` for inference), the seed, optimiser
+        state off chip, and the execution strategy:
+        ``PipelinedExecution(AutoStage.AutoIncrement)`` for training,
+        ``ShardedExecution(AutoStage.AutoIncrement)`` for inference. Blocks give the
+        IPUs (``parallelize``). IPU compiler settings are recorded, no effect.
+        """
+        return options.to_options(self, for_inference, compile_only)
+
+    def ignored_settings(self, for_inference: bool = False) -> Dict[str, Any]:
+        """The IPU-only settings this configuration uses that ipukit accepts and ignores.
+
+        Only values that ask for something (a half-precision partials flag, a
+        serialisation factor above 1, a cache folder, ...) are listed, under their
+        attribute names for the given mode.
+        """
+        return options.ignored_settings(self, for_inference)
 
     # -- the rest of the object protocol ------------------------------------------------
     def __eq__(self, other: Any) -> bool:
@@ -232,7 +331,7 @@ def _expand_layers_per_ipu_wildcard(ipu_config: IPUConfig,
     ipus_name = ipu_config._get_managed_attr_mode_name("ipus_per_replica")
     if target_number_of_layers is None:
         return layers
-    if not _is_int(target_number_of_layers):
+    if not is_int(target_number_of_layers):
         target_number_of_layers = len(target_number_of_layers)
     total = target_number_of_layers
     if ipus == 1:

@@ -1,15 +1,18 @@
 """What an ``IPUConfig`` may hold: optimum-graphcore's attribute table and its rules.
 
-:mod:`ipukit.ipu_config` holds the object; this module holds the data it is
-checked against, so the rules read as one list:
+:mod:`ipukit.ipuconfig.config` holds the object; this module holds the data it is
+checked against, so the rules read as one list. Everything here works on plain
+values or on a configuration's public attributes:
 
-* ``_SPEC``: every attribute's kind, default and minimum;
-* :func:`_check_value`: the per-attribute rules, run on every assignment;
+* ``SPEC``: every attribute's kind, default and minimum;
+* :func:`check_value`: the per-attribute rules, run on every assignment;
+* :func:`mode_name`: which twin (``layers_per_ipu`` or ``inference_layers_per_ipu``
+  ...) a mode-dependent attribute means in a mode;
 * :func:`cross_check`: the rules between attributes (optimum's
   ``_validate_ipu_config``), run at construction and after overrides;
 * :func:`read_legacy`: what older Hub files meant;
-* :func:`_parse_value`: ``update_from_string``'s text, read as an attribute's kind;
-* the error classes (re-exported by :mod:`ipukit.ipu_config`).
+* :func:`parse_updates`: ``update_from_string``'s text, read as the attributes' kinds;
+* the error classes (re-exported by :mod:`ipukit.ipuconfig`).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ class IPUConfigTypeError(IPUConfigError, TypeError):
 
 # name -> (kind, default, minimum). Kinds: int, bool, str, ints (list of int),
 # prop (float or list of float), dict; "?" suffix: None allowed.
-_SPEC: Dict[str, Tuple[str, Any, Optional[float]]] = {
+SPEC: Dict[str, Tuple[str, Any, Optional[float]]] = {
     "replication_factor": ("int", 1, 1),
     "inference_replication_factor": ("int", 1, 1),
     "gradient_accumulation_steps": ("int", 1, 1),
@@ -74,14 +77,14 @@ _SPEC: Dict[str, Tuple[str, Any, Optional[float]]] = {
     "inference_parallelize_kwargs": ("dict", None, None),
     "execute_encoder_on_cpu_for_generation": ("bool", False, None),
 }
-ATTRIBUTES = tuple(_SPEC)
+ATTRIBUTES = tuple(SPEC)
 # attributes with a training and an inference value, switched by train()/eval()
 MANAGED = ("layers_per_ipu", "ipus_per_replica", "matmul_proportion",
            "embedding_serialization_factor", "serialized_embedding_splits_per_ipu",
            "projection_serialization_factor", "serialized_projection_splits_per_ipu",
            "parallelize_kwargs")
-_SPLITS = tuple(n for n in _SPEC if n.endswith("_splits_per_ipu"))
-_FACTORS = tuple(n for n in _SPEC if n.endswith("serialization_factor"))
+_SPLITS = tuple(n for n in SPEC if n.endswith("_splits_per_ipu"))
+_FACTORS = tuple(n for n in SPEC if n.endswith("serialization_factor"))
 # keys of older Hub files
 METADATA_KEYS = ("optimum_version", "transformers_version")
 DEPRECATED_KEYS = {
@@ -95,7 +98,7 @@ _TYPE_WORDS = {"int": "an int", "bool": "a bool (true/false)", "str": "a string"
                "dict": "a dict"}
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -109,13 +112,13 @@ def _type_ok(kind: str, value: Any) -> bool:
             return True
         kind = kind[:-1]
     if kind == "int":
-        return _is_int(value)
+        return is_int(value)
     if kind == "bool":
         return isinstance(value, bool)
     if kind == "str":
         return isinstance(value, str)
     if kind == "ints":
-        return isinstance(value, list) and all(_is_int(v) for v in value)
+        return isinstance(value, list) and all(is_int(v) for v in value)
     if kind == "prop":
         return _is_number(value) or (isinstance(value, list) and len(value) > 0
                                      and all(_is_number(v) for v in value))
@@ -124,9 +127,9 @@ def _type_ok(kind: str, value: Any) -> bool:
     raise AssertionError(kind)
 
 
-def _check_value(name: str, value: Any) -> None:
+def check_value(name: str, value: Any) -> None:
     """The per-attribute rules: type, minimum, output_mode values, splits on consecutive IPUs."""
-    kind, _, minimum = _SPEC[name]
+    kind, _, minimum = SPEC[name]
     if not _type_ok(kind, value):
         allowed = _TYPE_WORDS[kind.rstrip("?")] + (" or None" if kind.endswith("?") else "")
         raise IPUConfigTypeError(
@@ -157,7 +160,7 @@ def _check_value(name: str, value: Any) -> None:
                     "(no zeros between IPUs holding splits), e.g. [3, 1, 0, 0] not [3, 0, 1, 0].")
 
 
-def _unknown_keys_error(keys: Iterable[str], where: str) -> IncompatibleIPUConfigError:
+def unknown_keys_error(keys: Iterable[str], where: str) -> IncompatibleIPUConfigError:
     lines = []
     for key in sorted(keys):
         close = difflib.get_close_matches(key, ATTRIBUTES, n=1, cutoff=0.6)
@@ -165,6 +168,11 @@ def _unknown_keys_error(keys: Iterable[str], where: str) -> IncompatibleIPUConfi
     return IncompatibleIPUConfigError(
         f"IPUConfig {where} unknown keys: {', '.join(lines)}. Remove them, or use "
         f"IPUConfig's attributes: {', '.join(ATTRIBUTES)}.")
+
+
+def mode_name(attr: str, mode: str) -> str:
+    """The attribute a mode-dependent name means in ``mode``: ``inference_<attr>`` or ``attr``."""
+    return f"inference_{attr}" if attr in MANAGED and mode == "inference" else attr
 
 
 def read_legacy(args: Dict[str, Any], kwargs: Dict[str, Any], notes: List[str]) -> None:
@@ -194,52 +202,75 @@ def read_legacy(args: Dict[str, Any], kwargs: Dict[str, Any], notes: List[str]) 
 def cross_check(config):
     """The rules between attributes, in both modes (optimum's ``_validate_ipu_config``).
 
-    Run at construction and after overrides (``from_dict``, ``update_from_string``);
-    per-attribute rules (:func:`_check_value`) run on every assignment instead.
-    Returns ``config``.
+    ``config`` is read and written through its public attributes (an unset
+    serialisation factor becomes 1). Run at construction and after overrides
+    (``from_dict``, ``update_from_string``); per-attribute rules
+    (:func:`check_value`) run on every assignment instead. Returns ``config``.
     """
     if config.replicated_tensor_sharding and config.replication_factor == 1:
         _log.warning("IPUConfig: replicated_tensor_sharding is not used when "
                      "replication_factor=1")
     for mode in MODES:
-        with config._in_mode(mode):
-            ipus_name = config._get_managed_attr_mode_name("ipus_per_replica")
-            ipus = config._ipus_per_replica
-            matmul = config._matmul_proportion
-            if isinstance(matmul, list) and len(matmul) != ipus:
+        ipus_name = mode_name("ipus_per_replica", mode)
+        ipus = getattr(config, ipus_name)
+        matmul_name = mode_name("matmul_proportion", mode)
+        matmul = getattr(config, matmul_name)
+        if isinstance(matmul, list) and len(matmul) != ipus:
+            raise IncompatibleIPUConfigError(
+                f"IPUConfig.{matmul_name}={matmul} has {len(matmul)} entries but "
+                f"{ipus_name}={ipus}: give one proportion per IPU, or a single float for all.")
+        layers_name = mode_name("layers_per_ipu", mode)
+        layers = getattr(config, layers_name)
+        if -1 not in layers and len(layers) != ipus:
+            raise IncompatibleIPUConfigError(
+                f"IPUConfig.{layers_name}={layers} places layers on {len(layers)} IPUs but "
+                f"{ipus_name}={ipus}: give one entry per IPU (-1 entries split the remaining "
+                f"layers evenly), or set {ipus_name}={len(layers)}.")
+        for layer in ("embedding", "projection"):
+            splits_name = mode_name(f"serialized_{layer}_splits_per_ipu", mode)
+            factor_name = mode_name(f"{layer}_serialization_factor", mode)
+            splits, factor = getattr(config, splits_name), getattr(config, factor_name)
+            if not (splits or factor):
+                setattr(config, factor_name, 1)
+            elif splits and factor:
                 raise IncompatibleIPUConfigError(
-                    f"IPUConfig.{config._get_managed_attr_mode_name('matmul_proportion')}="
-                    f"{matmul} has {len(matmul)} entries but {ipus_name}={ipus}: give one "
-                    f"proportion per IPU, or a single float for all.")
-            layers = config._layers_per_ipu
-            if -1 not in layers and len(layers) != ipus:
+                    f"IPUConfig: only one of {factor_name}={factor} and {splits_name}="
+                    f"{splits} may be set. Use {factor_name} to serialise the {layer} "
+                    f"layer on one IPU, or {splits_name} to spread its splits over "
+                    "chosen IPUs.")
+            if splits and len(splits) != ipus:
                 raise IncompatibleIPUConfigError(
-                    f"IPUConfig.{config._get_managed_attr_mode_name('layers_per_ipu')}={layers} "
-                    f"places layers on {len(layers)} IPUs but {ipus_name}={ipus}: give one "
-                    f"entry per IPU (-1 entries split the remaining layers evenly), or set "
-                    f"{ipus_name}={len(layers)}.")
-            for layer in ("embedding", "projection"):
-                splits_name = config._get_managed_attr_mode_name(f"serialized_{layer}_splits_per_ipu")
-                factor_name = config._get_managed_attr_mode_name(f"{layer}_serialization_factor")
-                splits, factor = getattr(config, splits_name), getattr(config, factor_name)
-                if not (splits or factor):
-                    setattr(config, factor_name, 1)
-                elif splits and factor:
-                    raise IncompatibleIPUConfigError(
-                        f"IPUConfig: only one of {factor_name}={factor} and {splits_name}="
-                        f"{splits} may be set. Use {factor_name} to serialise the {layer} "
-                        f"layer on one IPU, or {splits_name} to spread its splits over "
-                        "chosen IPUs.")
-                if splits and len(splits) != ipus:
-                    raise IncompatibleIPUConfigError(
-                        f"IPUConfig.{splits_name}={splits} has {len(splits)} entries but "
-                        f"{ipus_name}={ipus}: give one entry per IPU.")
+                    f"IPUConfig.{splits_name}={splits} has {len(splits)} entries but "
+                    f"{ipus_name}={ipus}: give one entry per IPU.")
     return config
+
+
+def parse_updates(update_str: str, current: Dict[str, Any]) -> Dict[str, Any]:
+    """``update_from_string``'s ``"name=value,name=value"``, each value read as its attribute's kind.
+
+    ``current`` holds the attributes' present values (quoted when one cannot be read).
+    """
+    if not isinstance(update_str, str):
+        raise IPUConfigError(f"IPUConfig.update_from_string({update_str!r}): expected a string "
+                             "such as 'device_iterations=4,layers_per_ipu=[2 2]'.")
+    updates = {}
+    for item in update_str.split(","):
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise IPUConfigError(
+                f"IPUConfig.update_from_string({update_str!r}): {item!r} is not name=value. "
+                "Separate updates with commas and list items with spaces: "
+                "'device_iterations=4,layers_per_ipu=[2 2]'.")
+        if key not in SPEC:
+            raise unknown_keys_error([key], "update_from_string:")
+        updates[key] = _parse_value(key, text.strip(), current[key])
+    return updates
 
 
 def _parse_value(key: str, text: str, old: Any) -> Any:
     """One ``update_from_string`` value, read as the type of the attribute."""
-    kind = _SPEC[key][0]
+    kind = SPEC[key][0]
     lower = text.lower()
     try:
         if lower in ("none", "null") and kind.endswith("?"):

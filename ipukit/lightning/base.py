@@ -1,8 +1,9 @@
-"""What ipukit's Lightning modules share: the error, stage names, tensor mapping.
+"""What ipukit's Lightning modules share: the error, the clipping message, stage keys,
+tensor mapping.
 
-Imported first by :mod:`ipukit.lightning` and its parts (:mod:`ipukit.lightning_setup`,
-:mod:`ipukit.lightning_steps`), so a missing pytorch-lightning is reported here, once,
-with the install command.
+Imported first by :mod:`ipukit.lightning.strategy` and its collaborators
+(:mod:`ipukit.lightning.setup`, :mod:`ipukit.lightning.steps`), so a missing
+pytorch-lightning is reported here, once, with the install command.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class LightningError(Error, ValueError):
     """A Lightning setting or LightningModule feature that ipukit's IPU strategy cannot run."""
 
 
-_CLIPPING_MESSAGE = (
+CLIPPING_MESSAGE = (
     "Trainer(gradient_clip_val={value!r}): ipukit steps the optimiser inside the model call, so "
     "Lightning cannot clip the gradients in between. Remove gradient_clip_val and clip in the "
     "optimiser instead: return e.g. ipukit.optim.AdamW(self.parameters(), lr=..., "
@@ -33,23 +34,20 @@ _CLIPPING_MESSAGE = (
     "gradient norm).")
 
 
-def _map_tensors(data: Any, fn) -> Any:
+def map_tensors(data: Any, fn) -> Any:
+    """``data`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists, dicts)."""
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*[_map_tensors(v, fn) for v in data])
+        return type(data)(*[map_tensors(v, fn) for v in data])
     if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
+        return type(data)(map_tensors(v, fn) for v in data)
     if isinstance(data, dict):
-        return type(data)((k, _map_tensors(v, fn)) for k, v in data.items())
+        return type(data)((k, map_tensors(v, fn)) for k, v in data.items())
     return data
 
 
-# a run's stage, by the names users write and by Lightning's RunningStage
-_STAGE_NAMES = {"train": "train", "training": "train", "fit": "train",
-                "validate": "validate", "validation": "validate", "val": "validate",
-                "sanity_check": "validate", "test": "test", "testing": "test",
-                "predict": "predict", "predicting": "predict"}
-_STAGE_KEY = {RunningStage.TRAINING: "train", RunningStage.SANITY_CHECKING: "validate",
-              RunningStage.VALIDATING: "validate", RunningStage.TESTING: "test",
-              RunningStage.PREDICTING: "predict"}
+# a run's stage key ("train", "validate", "test", "predict") by Lightning's RunningStage
+STAGE_KEY = {RunningStage.TRAINING: "train", RunningStage.SANITY_CHECKING: "validate",
+             RunningStage.VALIDATING: "validate", RunningStage.TESTING: "test",
+             RunningStage.PREDICTING: "predict"}

@@ -1,6 +1,7 @@
 """``IPUStrategy``'s setup: the Trainer's settings turned into ipukit Options and loaders.
 
-A mixin of :class:`~ipukit.lightning.IPUStrategy`. At ``setup`` it refuses what
+:class:`TrainerSetup` is a collaborator that :class:`~ipukit.lightning.IPUStrategy`
+creates and delegates to. At ``setup`` it refuses what
 ipukit cannot run (manual optimisation, gradient clipping between backward and
 step, accumulation schedules, batch-transfer hooks, several optimisers), builds
 one :class:`~ipukit.Options` per kind of run from ``devices``,
@@ -10,14 +11,14 @@ whose batch is one whole ipukit call.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from ..data import DataLoader as _IpuDataLoader
-from .base import _CLIPPING_MESSAGE, _STAGE_KEY, LightningError
-from .steps import _guard_logging
+from .base import CLIPPING_MESSAGE, STAGE_KEY, LightningError
 from ..core.options import Options
 
 from pytorch_lightning.callbacks import GradientAccumulationScheduler
@@ -27,42 +28,71 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+    from .strategy import IPUStrategy
+
 _ONE_OPTIMIZER = (
     "configure_optimizers() returned {count}; an ipukit training model steps one "
     "optimiser inside each call. Return one optimizer (parameter groups give parts of the model "
     "their own settings).")
 
 
-class _TrainerSetup:
-    """Setup, options and data loaders of ``IPUStrategy`` (state is made by its ``__init__``)."""
+class TrainerSetup:
+    """Setup, options and data loaders of an ``IPUStrategy`` (its ``_setup``).
 
-    def setup(self, trainer: "pl.Trainer") -> None:
-        module = self.lightning_module
+    Args:
+        strategy: the strategy it serves (read for ``device_iterations``,
+            ``replication_factor`` and ``lightning_module``).
+        training_opts, inference_opts: the user's ``ipukit.Options``, or None.
+    """
+
+    def __init__(self, strategy: "IPUStrategy", training_opts: Optional[Options] = None,
+                 inference_opts: Optional[Options] = None) -> None:
+        for name, opts in (("training_opts", training_opts), ("inference_opts", inference_opts)):
+            if opts is not None and not isinstance(opts, Options):
+                raise LightningError(f"IPUStrategy({name}={opts!r}): expected ipukit.Options() "
+                                     "(poptorch.Options with `import ipukit as poptorch`).")
+        self._strategy = strategy
+        self.user_training_opts = training_opts
+        self.user_inference_opts = inference_opts
+        self.opts: Dict[str, Options] = {}   # stage key -> the options built at setup
+        # during a fit: the trainer and its accumulate_grad_batches, restored at teardown
+        self._saved_accumulation: Optional[Tuple["pl.Trainer", int]] = None
+
+    def prepare(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+        """Before Lightning's own setup: check, build the options, take over accumulation."""
         self._check_setup(trainer, module)
-        self._gradient_accumulation = int(trainer.accumulate_grad_batches)
-        self._opts = {}
-        self._models = {}
+        self.opts = {}
         if trainer.state.fn == TrainerFn.FITTING:
-            self._opts["train"] = self._options("train", trainer)
+            self.opts["train"] = self._options("train", trainer)
         for stage in ("validate", "test", "predict"):
-            self._opts[stage] = self._options(stage, trainer)
+            self.opts[stage] = self._options(stage, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_max_steps(trainer)
             # one Lightning batch is a whole ipukit call, accumulation included
-            self._saved_accumulation = trainer.accumulate_grad_batches
+            self._saved_accumulation = (trainer, trainer.accumulate_grad_batches)
             trainer.accumulate_grad_batches = 1
-        super().setup(trainer)
-        self._log_originals = _guard_logging(module)
 
-    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+    def restore(self) -> None:
+        """At teardown: give the trainer back its ``accumulate_grad_batches``."""
+        if self._saved_accumulation is not None:
+            trainer, accumulation = self._saved_accumulation
+            trainer.accumulate_grad_batches = accumulation
+        self._saved_accumulation = None
+
+    @contextlib.contextmanager
+    def one_optimizer(self) -> Iterator[None]:
+        """Around Lightning's ``setup_optimizers``: its refusal of several optimizers, explained."""
         try:
-            super().setup_optimizers(trainer)
+            yield
         except RuntimeError as exc:  # Lightning's own refusal of several optimizers
             if "multiple optimizers" not in str(exc):
                 raise
             raise LightningError(_ONE_OPTIMIZER.format(count="more than one optimizer")) from None
-        if len(self.optimizers) > 1:
-            raise LightningError(_ONE_OPTIMIZER.format(count=f"{len(self.optimizers)} optimizers"))
+
+    def check_optimizers(self, optimizers) -> None:
+        """After ``setup_optimizers``: an ipukit training model steps one optimiser."""
+        if len(optimizers) > 1:
+            raise LightningError(_ONE_OPTIMIZER.format(count=f"{len(optimizers)} optimizers"))
 
     def _check_setup(self, trainer, module) -> None:
         for hook in ("transfer_batch_to_device", "on_after_batch_transfer"):
@@ -81,7 +111,7 @@ class _TrainerSetup:
                 "optimisation cannot work. Use automatic optimisation (return the loss from "
                 "training_step).")
         if trainer.gradient_clip_val is not None and trainer.gradient_clip_val > 0:
-            raise LightningError(_CLIPPING_MESSAGE.format(value=trainer.gradient_clip_val))
+            raise LightningError(CLIPPING_MESSAGE.format(value=trainer.gradient_clip_val))
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise LightningError(
                 "GradientAccumulationScheduler changes accumulate_grad_batches during training, "
@@ -89,7 +119,7 @@ class _TrainerSetup:
                 "fixed Trainer(accumulate_grad_batches=N).")
 
     def _check_max_steps(self, trainer) -> None:
-        di = self._opts["train"].device_iterations
+        di = self.opts["train"].device_iterations
         max_steps = trainer.max_steps
         if max_steps is not None and max_steps > 0 and max_steps % di:
             raise LightningError(
@@ -99,11 +129,11 @@ class _TrainerSetup:
 
     def _options(self, stage: str, trainer) -> Options:
         training = stage == "train"
-        user = self._user_training_opts if training else self._user_inference_opts
+        user = self.user_training_opts if training else self.user_inference_opts
         ga = int(trainer.accumulate_grad_batches) if training else 1
-        replicas = self.replication_factor
+        replicas = self._strategy.replication_factor
         if user is None:
-            opts = Options().deviceIterations(self.device_iterations)
+            opts = Options().deviceIterations(self._strategy.device_iterations)
             if replicas > 1:
                 opts.replicationFactor(replicas)
             if training and ga > 1:
@@ -135,12 +165,12 @@ class _TrainerSetup:
     @property
     def training_opts(self) -> Options:
         """The options of the training model (built at setup)."""
-        return self._opts.get("train") or self._user_training_opts
+        return self.opts.get("train") or self.user_training_opts
 
     @property
     def inference_opts(self) -> Options:
         """The options of the validation model (built at setup)."""
-        return self._opts.get("validate") or self._user_inference_opts
+        return self.opts.get("validate") or self.user_inference_opts
 
     # -- data --------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
@@ -149,9 +179,9 @@ class _TrainerSetup:
             return dataloader
         if not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader
-        trainer = self.lightning_module.trainer
-        stage = _STAGE_KEY.get(trainer.state.stage, "validate")
-        opts = self._opts.get(stage) or self._opts.get("validate")
+        trainer = self._strategy.lightning_module.trainer
+        stage = STAGE_KEY.get(trainer.state.stage, "validate")
+        opts = self.opts.get(stage) or self.opts.get("validate")
         batch_size, sampler = dataloader.batch_size, dataloader.sampler
         inner = getattr(dataloader.batch_sampler, "_batch_sampler", None)
         if batch_size is None and type(inner) is torch.utils.data.BatchSampler:

@@ -3,20 +3,22 @@
 A LightningModule's ``training_step`` (and validation, test, predict steps) becomes
 the forward of a :class:`_StepModule`, wrapped once per kind of run and dataloader
 in an ipukit ``trainingModel`` or ``inferenceModel``; the first batch compiles it.
-:class:`_StepBridge` (a mixin of :class:`~ipukit.lightning.IPUStrategy`) runs those
-models, casts inputs, reports ``self.log`` calls a traced step cannot make, and
-advances Lightning's step count by the device iterations of each call.
+:class:`StepBridge` (a collaborator that :class:`~ipukit.lightning.IPUStrategy`
+creates and delegates to) runs those models, casts inputs, reports ``self.log``
+calls a traced step cannot make, and advances Lightning's step count by the device
+iterations of each call.
 """
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Dict
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
-from ..core import blocks as _blocks
+from ..core.blocks import active_recorder
 from ..core.errors import PipelineConfigError
-from .base import _STAGE_KEY, LightningError, _map_tensors
+from .base import STAGE_KEY, LightningError, map_tensors
 from ..model import inferenceModel, trainingModel
 from ..core.ops import identity_loss
 
@@ -24,6 +26,9 @@ from pytorch_lightning.trainer.states import RunningStage
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+    from .setup import TrainerSetup
+    from .strategy import IPUStrategy
 
 
 def _state_to_parameter_devices(optimizer) -> None:
@@ -66,7 +71,7 @@ class _StepModule(torch.nn.Module):
         self.extra_args: tuple = ()
 
     def forward(self, batch):
-        rec = _blocks._active()
+        rec = active_recorder()
         if rec is not None:
             _keep_last_block_open(rec)
         out = getattr(self.module, self.step)(batch, *self.extra_args)
@@ -84,6 +89,9 @@ class _StepModule(torch.nn.Module):
             "not possible inside a compiled step.")
 
 
+_kept_open: "weakref.WeakSet" = weakref.WeakSet()   # block recorders already wrapped
+
+
 def _keep_last_block_open(rec) -> None:
     """Operations after the last ``with Block`` closed stay on that block's IPU.
 
@@ -91,71 +99,109 @@ def _keep_last_block_open(rec) -> None:
     closed), and the Lightning IPU docs' Blocks-in-``forward`` pattern relies on those
     operations running on the IPU of the block before them. ipukit's core refuses operations
     outside any block once a block closed; for Lightning steps they join the last block
-    (done by wrapping the trace's block recorder, the only core internal used here).
+    (done by wrapping the public ``pop`` of the trace's block recorder: after it, the
+    recorder is out of every block exactly when ``in_block`` is False).
     """
-    if getattr(rec, "_ipukit_lightning", False):
+    if rec in _kept_open:
         return
-    rec._ipukit_lightning = True
+    _kept_open.add(rec)
     pop = rec.pop
 
     def pop_and_stay():
         pop()
-        if not rec._stack and rec.segments:
+        if not rec.in_block and rec.segments:
             rec.in_block = True
             rec.closed_a_block = False
 
     rec.pop = pop_and_stay
 
 
-def _guard_logging(module: "pl.LightningModule") -> Dict[str, Any]:
-    """Wrap ``module.log``/``log_dict``: a no-op while ipukit traces the step (calls are
-    noted, see ``IPUStrategy._compile``); otherwise one thread at a time (replicas)."""
-    originals = {}
-    for name in ("log", "log_dict"):
-        original = getattr(module, name)
-        originals[name] = module.__dict__.get(name)
+class StepBridge:
+    """The step runs of an ``IPUStrategy`` (its ``_steps``): one ipukit model per step kind
+    and dataloader, sharing the LightningModule's weights.
 
-        def guarded(*args, _original=original, _name=name, **kwargs):
-            if _blocks._active() is not None:
-                noted = getattr(_log_state, "calls", None)
-                if noted is not None:
-                    first = args[0] if args else kwargs.get("name", kwargs.get("dictionary"))
-                    noted.append((_name, first if isinstance(first, str) else None))
-                return None
-            with _log_lock:
-                return _original(*args, **kwargs)
+    Args:
+        strategy: the strategy it serves (read for ``lightning_module``, ``optimizers``).
+        setup: the strategy's :class:`~ipukit.lightning.setup.TrainerSetup`, whose
+            ``opts`` (built at setup) configure the models.
+    """
 
-        module.__dict__[name] = guarded
-    return originals
+    def __init__(self, strategy: "IPUStrategy", setup: "TrainerSetup") -> None:
+        self._strategy = strategy
+        self._setup = setup
+        self.models: Dict[tuple, Any] = {}   # (step, dataloader_idx) -> its ipukit model
+        self.last: Dict[str, Any] = {}       # stage key -> its latest ipukit model (kept after teardown)
+        self._log_originals: Optional[Dict[str, Any]] = None
 
+    # -- lifetime --------------------------------------------------------------------
+    def start(self) -> None:
+        """At setup: no models yet (each is built and compiled at its first batch)."""
+        self.models = {}
 
-def _unguard_logging(module, originals: Dict[str, Any]) -> None:
-    for name, original in originals.items():
-        if original is None:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = original
+    def release(self) -> None:
+        """At teardown: unwrap the training models (the module can be trained again)."""
+        for model in self.models.values():
+            if model.training:
+                model.destroy()
+        self.models = {}
 
+    def latest(self, stage_key: str):
+        """The ipukit model of the latest run of ``stage_key`` (None before any)."""
+        return self.last.get(stage_key)
 
-class _StepBridge:
-    """The step methods of ``IPUStrategy``: one ipukit model per step kind and dataloader."""
+    # -- logging ---------------------------------------------------------------------
+    def guard_logging(self, module: "pl.LightningModule") -> None:
+        """Wrap ``module.log``/``log_dict``: a no-op while ipukit traces the step (calls are
+        noted, see :meth:`_compile`); otherwise one thread at a time (replicas)."""
+        originals = {}
+        for name in ("log", "log_dict"):
+            original = getattr(module, name)
+            originals[name] = vars(module).get(name)
 
+            def guarded(*args, _original=original, _name=name, **kwargs):
+                if active_recorder() is not None:
+                    noted = getattr(_log_state, "calls", None)
+                    if noted is not None:
+                        first = args[0] if args else kwargs.get("name", kwargs.get("dictionary"))
+                        noted.append((_name, first if isinstance(first, str) else None))
+                    return None
+                with _log_lock:
+                    return _original(*args, **kwargs)
+
+            setattr(module, name, guarded)
+        self._log_originals = originals
+
+    def unguard_logging(self, module: "pl.LightningModule") -> None:
+        """Give ``module`` back the ``log``/``log_dict`` it had before :meth:`guard_logging`."""
+        if self._log_originals is None:
+            return
+        for name, original in self._log_originals.items():
+            if original is None:
+                if name in vars(module):
+                    delattr(module, name)
+            else:
+                setattr(module, name, original)
+        self._log_originals = None
+
+    # -- steps -----------------------------------------------------------------------
     def _model_for(self, stage: RunningStage, dataloader_idx: int):
         step = _STEP_OF[stage]
         key = (step, dataloader_idx)
-        model = self._models.get(key)
+        model = self.models.get(key)
         if model is None:
-            wrapper = _StepModule(self.lightning_module, step)
-            stage_key = _STAGE_KEY[stage]
+            wrapper = _StepModule(self._strategy.lightning_module, step)
+            stage_key = STAGE_KEY[stage]
             if step == "training_step":
-                model = trainingModel(wrapper, self._opts["train"], optimizer=self.optimizers[0])
+                model = trainingModel(wrapper, self._setup.opts["train"],
+                                      optimizer=self._strategy.optimizers[0])
             else:
-                model = inferenceModel(wrapper, self._opts[stage_key])
-            self._models[key] = model
-        self._last[_STAGE_KEY[stage]] = model
+                model = inferenceModel(wrapper, self._setup.opts[stage_key])
+            self.models[key] = model
+        self.last[STAGE_KEY[stage]] = model
         return model
 
-    def _run(self, stage: RunningStage, args, kwargs) -> Any:
+    def run(self, stage: RunningStage, args, kwargs) -> Any:
+        """One Lightning ``*_step`` call: one call of that step's ipukit model."""
         if not args:
             raise LightningError("ipukit's IPU strategy expects the batch as the first argument "
                                  "of the step.")
@@ -167,24 +213,25 @@ class _StepBridge:
         if not model.isCompiled():
             self._compile(model, batch)
             if model.training:
-                _state_to_parameter_devices(model._optimizer)
+                _state_to_parameter_devices(model.optimizer)
         return model(batch)
 
     def _cast_inputs(self, batch: Any) -> Any:
         """Float inputs take the model's floating dtype (PopTorch cast inputs of half models)."""
-        dtype = next((p.dtype for p in self.lightning_module.parameters()
+        dtype = next((p.dtype for p in self._strategy.lightning_module.parameters()
                       if p.is_floating_point()), None)
         if dtype is None:
             return batch
-        return _map_tensors(batch, lambda t: t.to(dtype)
-                            if t.is_floating_point() and t.dtype != dtype else t)
+        return map_tensors(batch, lambda t: t.to(dtype)
+                           if t.is_floating_point() and t.dtype != dtype else t)
 
     def _compile(self, model, batch) -> None:
+        module = self._strategy.lightning_module
         # A model compiled earlier (training, say) may have put the shared weights on a GPU;
         # ipukit traces on the sample it is given, so give it one on the weights' device.
-        device = next((p.device for p in self.lightning_module.parameters()), None)
+        device = next((p.device for p in module.parameters()), None)
         if device is not None and device.type != "cpu":
-            batch = _map_tensors(batch, lambda t: t.to(device))
+            batch = map_tensors(batch, lambda t: t.to(device))
         _log_state.calls = []
         try:
             model.compile(batch)
@@ -199,44 +246,24 @@ class _StepBridge:
             step = model.model.step
             names = ", ".join(sorted({repr(n) for _, n in calls if n})) or "values"
             model.destroy()
-            self._models = {k: v for k, v in self._models.items() if v is not model}
+            self.models = {k: v for k, v in self.models.items() if v is not model}
             raise LightningError(
-                f"{type(self.lightning_module).__name__}.{step} calls self.log ({names}), but "
+                f"{type(module).__name__}.{step} calls self.log ({names}), but "
                 f"ipukit traced it into {stages} pipeline stages: a traced step runs on the "
                 "virtual IPUs and cannot call back into Lightning. Return the values instead "
                 "(e.g. return {'loss': loss, 'acc': acc}) and log them in "
                 f"{_BATCH_END_HOOK[step]}(self, outputs, batch, batch_idx), e.g. "
                 "self.log('acc', outputs['acc']).")
 
-    def training_step(self, *args: Any, **kwargs: Any):
-        with self.precision_plugin.train_step_context():
-            out = self._run(RunningStage.TRAINING, args, kwargs)
-        self._account_steps()
-        return out
-
-    def validation_step(self, *args: Any, **kwargs: Any):
-        stage = self.lightning_module.trainer.state.stage
-        stage = RunningStage.VALIDATING if stage != RunningStage.SANITY_CHECKING else stage
-        with self.precision_plugin.val_step_context():
-            return self._run(stage, args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any):
-        with self.precision_plugin.test_step_context():
-            return self._run(RunningStage.TESTING, args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any):
-        with self.precision_plugin.predict_step_context():
-            return self._run(RunningStage.PREDICTING, args, kwargs)
-
-    def _account_steps(self) -> None:
+    def account_steps(self) -> None:
         """A call with N device iterations made N optimiser steps; Lightning counts one."""
-        extra = self._opts["train"].device_iterations - 1
+        extra = self._setup.opts["train"].device_iterations - 1
         if extra <= 0:
             return
-        trainer = self.lightning_module.trainer
+        module = self._strategy.lightning_module
+        trainer = module.trainer
         progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
         progress.optimizer.step.increment_by(extra)
-        module = self.lightning_module
         for config in trainer.lr_scheduler_configs:
             if config.interval != "step" or config.reduce_on_plateau:
                 continue

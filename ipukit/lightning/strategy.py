@@ -28,20 +28,23 @@ How a Lightning run maps onto ipukit:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import torch
 
-from .base import _CLIPPING_MESSAGE, _STAGE_KEY, _STAGE_NAMES, LightningError, _map_tensors
-from .setup import _TrainerSetup
-from .steps import _StepBridge, _unguard_logging
+from .base import CLIPPING_MESSAGE, STAGE_KEY, LightningError, map_tensors
+from .setup import TrainerSetup
+from .steps import StepBridge
 from ..core.options import Options
 
-# after lightning_base, which reports a missing pytorch-lightning with the install command
+# after .base, which reports a missing pytorch-lightning with the install command
 from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import RunningStage
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["IPUAccelerator", "IPUStrategy", "IPUPrecision", "LightningError"]
 
@@ -140,7 +143,7 @@ class IPUPrecision(Precision):
 
     def convert_input(self, data: Any) -> Any:
         if self.precision in ("16-mixed", "16-true"):
-            return _map_tensors(data, lambda t: t.half() if t.is_floating_point() else t)
+            return map_tensors(data, lambda t: t.half() if t.is_floating_point() else t)
         return data
 
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
@@ -159,11 +162,18 @@ class IPUPrecision(Precision):
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
         if clip_val is None or clip_val <= 0:
             return
-        raise LightningError(_CLIPPING_MESSAGE.format(value=clip_val))
+        raise LightningError(CLIPPING_MESSAGE.format(value=clip_val))
 
 
 # --------------------------------------------------------------------------- strategy
-class IPUStrategy(_TrainerSetup, _StepBridge, ParallelStrategy):
+# a run's stage key, by the names users write
+_STAGE_NAMES = {"train": "train", "training": "train", "fit": "train",
+                "validate": "validate", "validation": "validate", "val": "validate",
+                "sanity_check": "validate", "test": "test", "testing": "test",
+                "predict": "predict", "predicting": "predict"}
+
+
+class IPUStrategy(ParallelStrategy):
     """Run a LightningModule on ipukit's virtual IPUs (lightning-graphcore's ``IPUStrategy``).
 
     Args:
@@ -180,9 +190,11 @@ class IPUStrategy(_TrainerSetup, _StepBridge, ParallelStrategy):
     (or ``"validate"``, ``"test"``, ``"predict"``).
 
     This class holds Lightning's plumbing (devices, precision plugin, collectives of a
-    single process), the timelines and reports, and teardown; the setup (options,
-    data loaders, checks) is inherited from :mod:`ipukit.lightning_setup`, the step
-    methods (the bridge to ipukit models) from :mod:`ipukit.lightning_steps`.
+    single process), every Lightning hook, the timelines and reports; its hooks delegate
+    to two collaborators it creates: ``_setup``, a
+    :class:`~ipukit.lightning.setup.TrainerSetup` (checks, options, data loaders), and
+    ``_steps``, a :class:`~ipukit.lightning.steps.StepBridge` (the ipukit models that run
+    the ``*_step`` methods).
     """
 
     strategy_name = "ipu_strategy"
@@ -201,21 +213,11 @@ class IPUStrategy(_TrainerSetup, _StepBridge, ParallelStrategy):
                 or device_iterations < 1):
             raise LightningError(f"IPUStrategy(device_iterations={device_iterations!r}): expected "
                                  "an int >= 1 (iterations per ipukit call).")
-        for name, opts in (("training_opts", training_opts), ("inference_opts", inference_opts)):
-            if opts is not None and not isinstance(opts, Options):
-                raise LightningError(f"IPUStrategy({name}={opts!r}): expected ipukit.Options() "
-                                     "(poptorch.Options with `import ipukit as poptorch`).")
+        self._setup = TrainerSetup(self, training_opts, inference_opts)
+        self._steps = StepBridge(self, self._setup)
         self.device_iterations = device_iterations
         self.autoreport = bool(autoreport)
         self.autoreport_dir = autoreport_dir
-        self._user_training_opts = training_opts
-        self._user_inference_opts = inference_opts
-        self._opts: Dict[str, Options] = {}
-        self._models: Dict[tuple, Any] = {}
-        self._last: Dict[str, Any] = {}       # stage key -> its latest ipukit model (kept after teardown)
-        self._gradient_accumulation = 1
-        self._saved_accumulation: Optional[int] = None
-        self._log_originals: Optional[Dict[str, Any]] = None
         self.reports: List[Dict[str, str]] = []
 
     # -- Lightning plumbing ---------------------------------------------------------
@@ -269,28 +271,76 @@ class IPUStrategy(_TrainerSetup, _StepBridge, ParallelStrategy):
     def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
         return batch  # ipukit moves each micro-batch to its virtual IPU's device
 
+    # -- setup (delegated to TrainerSetup) ------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        self._setup.prepare(trainer, module)
+        self._steps.start()
+        super().setup(trainer)
+        self._steps.guard_logging(module)
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        with self._setup.one_optimizer():
+            super().setup_optimizers(trainer)
+        self._setup.check_optimizers(self.optimizers)
+
+    @property
+    def training_opts(self) -> Options:
+        """The options of the training model (built at setup)."""
+        return self._setup.training_opts
+
+    @property
+    def inference_opts(self) -> Options:
+        """The options of the validation model (built at setup)."""
+        return self._setup.inference_opts
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Each loader becomes an ``ipukit.DataLoader``: a batch is one whole ipukit call."""
+        return self._setup.process_dataloader(dataloader)
+
+    # -- steps (delegated to StepBridge) --------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.train_step_context():
+            out = self._steps.run(RunningStage.TRAINING, args, kwargs)
+        self._steps.account_steps()
+        return out
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        stage = self.lightning_module.trainer.state.stage
+        stage = RunningStage.VALIDATING if stage != RunningStage.SANITY_CHECKING else stage
+        with self.precision_plugin.val_step_context():
+            return self._steps.run(stage, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.test_step_context():
+            return self._steps.run(RunningStage.TESTING, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        with self.precision_plugin.predict_step_context():
+            return self._steps.run(RunningStage.PREDICTING, args, kwargs)
+
     # -- timelines and reports -------------------------------------------------------------
     def timeline(self, stage: Union[str, RunningStage] = "train"):
         """The measured :class:`ipukit.Timeline` of the latest call of a run's model.
 
         ``stage``: ``"train"``, ``"validate"``, ``"test"`` or ``"predict"``. None before any call.
         """
-        key = _STAGE_KEY.get(stage) if isinstance(stage, RunningStage) else \
+        key = STAGE_KEY.get(stage) if isinstance(stage, RunningStage) else \
             _STAGE_NAMES.get(str(stage).lower())
         if key is None:
             raise LightningError(f"timeline({stage!r}): use 'train', 'validate', 'test' or "
                                  "'predict'.")
-        model = self._last.get(key)
+        model = self._steps.latest(key)
         return None if model is None else model.getTimeline()
 
     def model_for(self, stage: str = "train"):
         """The ipukit model (``PoplarExecutor``) that ran the latest ``stage`` run."""
-        return self._last.get(_STAGE_NAMES.get(str(stage).lower(), str(stage)))
+        return self._steps.latest(_STAGE_NAMES.get(str(stage).lower(), str(stage)))
 
     def _write_report(self, stage: str) -> None:
         if not self.autoreport:
             return
-        model = self._last.get(stage)
+        model = self._steps.latest(stage)
         tl = None if model is None else model.getTimeline()
         if tl is None:
             return
@@ -313,17 +363,10 @@ class IPUStrategy(_TrainerSetup, _StepBridge, ParallelStrategy):
 
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and self._log_originals is not None:
-            _unguard_logging(module, self._log_originals)
-            self._log_originals = None
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if self._saved_accumulation is not None and trainer is not None:
-            trainer.accumulate_grad_batches = self._saved_accumulation
-        self._saved_accumulation = None
-        for model in self._models.values():
-            if model.training:
-                model.destroy()  # unwrap: the module can be trained again
-        self._models = {}
+        if module is not None:
+            self._steps.unguard_logging(module)
+        self._setup.restore()
+        self._steps.release()
         super().teardown()
 
     @classmethod

@@ -19,13 +19,13 @@ from torch.utils.checkpoint import checkpoint
 from .gpu_clock import GpuClock
 from .fused import FusedBackward
 from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
-from .split_backward import SplitBackwardActions
+from .split_backward import backward_input, backward_weight
 from ..timeline.events import Event, KIND_NAMES
 from .update import LOW_PRECISION
 from .workers import Aborted
 
 
-class ActionRunner(SplitBackwardActions):
+class ActionRunner:
     """Runs actions of one call; shared by every worker of the call."""
 
     def __init__(self, plan, micro_batches: int, micro_inputs: List[list], replicas: int,
@@ -216,3 +216,36 @@ class ActionRunner(SplitBackwardActions):
                                         ipus[a.stage], replica, a.iteration, call_index))
                     self.clock.later(events, len(events) - 1, self.plan.device_of(a.stage),
                                      start, end)
+
+    # -- the split backward's halves: I now, W later -------------------------------------
+
+    def input_grad(self, a, replica: int, stash: dict) -> Tuple[float, float]:
+        """The input-gradient half (``I``): what the previous stage waits for, sent at once."""
+        key = (a.stage, a.iteration, a.micro_batch)
+        args, outs = stash.pop(key)
+        stage = self.plan.partition.stages[a.stage]
+        if stage.recompute:  # rebuild the stage's graph once, here: I and W share it
+            out = self.plan.module_for(a.stage, replica)(*args)
+            outs = out if stage.tuple_output else (out,)
+        seeds, grads = self._seeds(a, replica, outs)
+        now = self._clock(a.stage)
+        ready = now()
+        diff_inputs = [(pos, v) for pos, v in enumerate(args)
+                       if isinstance(v, torch.Tensor) and v.requires_grad]
+        dinputs, pending = backward_input(seeds, grads, [v for _, v in diff_inputs],
+                                          self.plan.trainable[a.stage])
+        stash[("W",) + key] = pending
+        end = now()
+        self._send_input_grads(a, replica, diff_inputs, dinputs)
+        return ready, end
+
+    def weight_grad(self, a, replica: int, stash: dict) -> Tuple[float, float]:
+        """The weight-gradient half (``W``): from what ``I`` kept, into the accumulators."""
+        pending = stash.pop(("W", a.stage, a.iteration, a.micro_batch))
+        now = self._clock(a.stage)
+        ready = now()
+        params = self.plan.trainable[a.stage]
+        self.accumulate(a, replica, params, backward_weight(pending, params))
+        return ready, now()
+
+

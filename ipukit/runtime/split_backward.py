@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc,
-                                                    construct_reverse_graph, get_param_groups)
+
+from .._torch import grad_fn_or_grad_acc, param_groups, reverse_graph
 
 
 class PendingWeights:
@@ -41,10 +41,10 @@ def backward_input(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     """Gradients for ``inputs`` (None where unused), and the state ``W`` resumes from."""
     groups: List[Dict[str, Any]] = []
     if inputs and seeds and params:
-        out_nodes = [n for n in map(_get_grad_fn_or_grad_acc, seeds) if n is not None]
-        in_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
-        p_nodes = [_get_grad_fn_or_grad_acc(p) for p in params]
-        groups = get_param_groups(in_nodes, p_nodes, construct_reverse_graph(out_nodes))
+        out_nodes = [n for n in map(grad_fn_or_grad_acc, seeds) if n is not None]
+        in_nodes = [n for n in map(grad_fn_or_grad_acc, inputs) if n is not None]
+        p_nodes = [grad_fn_or_grad_acc(p) for p in params]
+        groups = param_groups(in_nodes, p_nodes, reverse_graph(out_nodes))
     handles = []
     for group in groups:
         group["intermediates"] = list(group["intermediates"])
@@ -73,7 +73,7 @@ def backward_weight(pending: PendingWeights,
                     params: Sequence[torch.nn.Parameter]) -> List[Optional[torch.Tensor]]:
     """Gradients for ``params`` (None where unused), from what ``I`` kept; frees the graph."""
     out: Dict[int, Optional[torch.Tensor]] = {}
-    node_of = {_get_grad_fn_or_grad_acc(p): i for i, p in enumerate(params)}
+    node_of = {grad_fn_or_grad_acc(p): i for i, p in enumerate(params)}
     for group in pending.groups:
         edges, seeds = [], []
         for node, captured in zip(group["intermediates"], group["grads"]):
@@ -104,38 +104,3 @@ def backward_weight(pending: PendingWeights,
         out.update(zip(rest, result))
     pending.groups, pending.seeds, pending.grads = [], [], []
     return [out.get(i) for i in range(len(params))]
-
-
-class SplitBackwardActions:
-    """The ``I`` and ``W`` actions of :class:`~ipukit.actions.ActionRunner` (a mixin:
-    it uses the runner's stash, gradient routing, clock and accumulators)."""
-
-    def input_grad(self, a, replica: int, stash: dict) -> Tuple[float, float]:
-        """The input-gradient half (``I``): what the previous stage waits for, sent at once."""
-        key = (a.stage, a.iteration, a.micro_batch)
-        args, outs = stash.pop(key)
-        stage = self.plan.partition.stages[a.stage]
-        if stage.recompute:  # rebuild the stage's graph once, here: I and W share it
-            out = self.plan.module_for(a.stage, replica)(*args)
-            outs = out if stage.tuple_output else (out,)
-        seeds, grads = self._seeds(a, replica, outs)
-        now = self._clock(a.stage)
-        ready = now()
-        diff_inputs = [(pos, v) for pos, v in enumerate(args)
-                       if isinstance(v, torch.Tensor) and v.requires_grad]
-        dinputs, pending = backward_input(seeds, grads, [v for _, v in diff_inputs],
-                                          self.plan.trainable[a.stage])
-        stash[("W",) + key] = pending
-        end = now()
-        self._send_input_grads(a, replica, diff_inputs, dinputs)
-        return ready, end
-
-    def weight_grad(self, a, replica: int, stash: dict) -> Tuple[float, float]:
-        """The weight-gradient half (``W``): from what ``I`` kept, into the accumulators."""
-        pending = stash.pop(("W", a.stage, a.iteration, a.micro_batch))
-        now = self._clock(a.stage)
-        ready = now()
-        params = self.plan.trainable[a.stage]
-        self.accumulate(a, replica, params, backward_weight(pending, params))
-        return ready, now()
-

@@ -43,15 +43,10 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .ir import BACKWARD, FORWARD, INPUT_GRAD, PIPELINED_KINDS, WEIGHT_GRAD, ScheduleError
+from .ir import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, ScheduleError
+from .registry import LOOPED, PIPELINED_KINDS, SPLIT_BACKWARD, V_SHAPED  # noqa: F401
 
 Op = Tuple[str, int, int]  # (kind, stage, micro-batch)
-
-LOOPED = ("interleaved-1f1b", "looped-bfs")
-V_SHAPED = ("zbv", "dualpipev")
-#: Schedules whose backward is split into I and W actions.
-SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")
-
 
 # -- placement --------------------------------------------------------------------------------
 

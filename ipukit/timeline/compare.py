@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
-from ..schedules.ir import PIPELINED_KINDS, ScheduleError
+from ..schedules.ir import ScheduleError
+from ..schedules.registry import PIPELINED_KINDS
 from ..schedules.generators import LOOPED, V_SHAPED, minimum_micro_batches, placement
 from .simulate import per_stage, simulate
 from .events import BACKWARD_END_KINDS, COMPUTE_KINDS, Timeline

@@ -11,7 +11,8 @@ import gc
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from ..schedules.ir import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule, build, walk)
+from ..schedules.build import build
+from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule, walk
 from .events import COMPUTE_KINDS, Event, KIND_NAMES, Timeline
 
 Cost = Union[float, Sequence[float]]

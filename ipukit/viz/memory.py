@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.errors import ModelStateError
-from ..schedules.ir import BACKWARD, FORWARD, KINDS, WEIGHT_GRAD, Schedule
+from ..schedules.ir import BACKWARD, FORWARD, WEIGHT_GRAD, Schedule
+from ..schedules.registry import KINDS
 
 
 # -- micro-batches in flight ---------------------------------------------------------------
@@ -46,7 +47,7 @@ def activation_stash(kind: str, num_stages: int, micro_batches: int) -> List[int
         return [min(N - s, M) for s in range(N)]
     if kind.startswith("sharded"):
         return [1] * N
-    from ..schedules.ir import build  # the modern kinds: read off the schedule on its placement
+    from ..schedules.build import build  # the modern kinds: read off the schedule on its placement
 
     return stash_of(build(kind, N, M))
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
+from ..core.errors import needs_extra
+
+with needs_extra("viz", "ipukit.plots"):
+    import numpy as np
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
 from ..timeline.events import COMPUTE_KINDS, Timeline
 
@@ -121,7 +124,7 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
 
 def schedule_name(kind) -> str:
     """Schedule names as the options spell them: ``1F1B``, ``GPipe``."""
-    from ..schedules.ir import PIPELINED_KINDS
+    from ..schedules.registry import PIPELINED_KINDS
 
     names = {**PIPELINED_KINDS, "sharded": "Sharded"}
     return names.get(str(kind).lower(), str(kind))

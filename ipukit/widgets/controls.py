@@ -11,7 +11,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Dict, List
 
-import ipywidgets as W
+from ..core.errors import needs_extra
+
+with needs_extra("notebooks", "ipukit.widgets"):
+    import ipywidgets as W
 
 from . import logic
 from .logic import Config

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence
 
-import ipywidgets as W
-import plotly.graph_objects as go
+from ..core.errors import needs_extra
+
+with needs_extra("notebooks", "ipukit.widgets"):
+    import ipywidgets as W
+    import plotly.graph_objects as go
 
 from ..viz import plots
 from . import logic

@@ -30,15 +30,16 @@ import torch
 from ..core.enums import AutoStage, OutputMode
 from ..core.errors import Error
 from ..core.options import Options, TensorLocationSettings
-from ..schedules.ir import kind_of
-from ..schedules.generators import LOOPED, V_SHAPED, placement
+from ..schedules.registry import SCHEDULE_TITLES, kind_of
+from ..schedules.generators import placement
+from ..schedules.registry import LOOPED, V_SHAPED
 from ..timeline.simulate import available_cores, simulate, uncontended_costs
 from ..core.strategies import PipelinedExecution, ShardedExecution, Stage
 from ..timeline.events import Timeline
 
 OUTPUT_MODES = ("All", "Final", "Sum", "EveryN", "Default")
 #: Every pipelined schedule, by its ``Options.pipelineSchedule`` name (1F1B, ipukit's default, first).
-SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "ZBH1", "ZBV", "DualPipeV")
+SCHEDULES = ("1F1B",) + tuple(t for t in SCHEDULE_TITLES if t != "1F1B")
 EXECUTIONS = ("pipelined", "sharded")
 DEFAULT_BLOCKS = ("B1", "B2", "B3", "B4")
 
@@ -594,7 +595,7 @@ def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Mod
     as the result's ``error`` text. On success the result holds the memory
     report of the compiled stages (:func:`ipukit.memory.memory_report`).
     """
-    from .. import trainingModel
+    from ..model import trainingModel
     from ..viz.memory import memory_report
 
     try:

@@ -92,7 +92,7 @@ def _install_failure_report() -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        _note_failure(value, uncaught=True)
+        note_failure(value, uncaught=True)
         previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -103,7 +103,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _note_failure(exc: BaseException, uncaught: bool = False) -> None:
+def note_failure(exc: BaseException, uncaught: bool = False) -> None:
     """Tell the peers (through the rendezvous store) that this rank failed, and why.
 
     Under ipukit-run, an exception that ends the process is also written to
@@ -130,7 +130,7 @@ def _note_failure(exc: BaseException, uncaught: bool = False) -> None:
         pass
 
 
-def _peer_failure(since: float, wait: float = 3.0) -> Optional[str]:
+def peer_failure(since: float, wait: float = 3.0) -> Optional[str]:
     """The failure another rank recorded after ``since``, waiting briefly for it."""
     import torch.distributed as dist
 
@@ -149,7 +149,7 @@ def _peer_failure(since: float, wait: float = 3.0) -> Optional[str]:
         time.sleep(0.1)
 
 
-def _is_comm_error(exc: BaseException) -> bool:
+def is_comm_error(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     if isinstance(exc, getattr(dist, "DistError", ())):
@@ -159,7 +159,7 @@ def _is_comm_error(exc: BaseException) -> bool:
                                    "Gloo", "gloo", "NCCL", "Timed out", "timed out"))
 
 
-def _device_for(options, ipu: int) -> torch.device:
+def device_for(options, ipu: int) -> torch.device:
     mapping = options.device_mapping
     if mapping:
         return torch.device(mapping[ipu % len(mapping)])

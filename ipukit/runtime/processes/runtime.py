@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils import _pytree as pytree
+from ..._torch import pytree
 
 from ...core import batching as microbatch
 from ...core.enums import ReductionType
@@ -45,7 +45,7 @@ from ..gpu_clock import GpuClock
 from ...timeline.events import Event, KIND_NAMES, Timeline
 from ..update import StateSnapshot
 from .exchange import RowExchange, SpanGather
-from .group import (DistributedError, _device_for, _is_comm_error, _note_failure, _peer_failure, ensure_process_group, is_active)
+from .group import (DistributedError, device_for, is_comm_error, note_failure, peer_failure, ensure_process_group, is_active)
 from .replicas import ALL_REDUCE, DDP, gradient_scale, gradient_sync, sum_over_replicas, under_ddp
 from .stages import (CallContext, StageBody, carry_plan, process_lanes, schedule_runner, timed_stage_class)
 
@@ -170,7 +170,7 @@ class _Layout:
         self.dp = c.batching.replicas
         self.replica, self.pp_rank = divmod(self.rank, self.pp)
         self.ipu = ipus[self.pp_rank]
-        self.device = _device_for(c.options, self.ipu)
+        self.device = device_for(c.options, self.ipu)
         mesh = init_device_mesh("cuda" if self.device.type == "cuda" else "cpu",
                                 (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
         self.pp_group = mesh.get_group("pp")
@@ -551,11 +551,11 @@ def maybe_run(model, args: tuple, kwargs: dict):
         return rt.run(flat)
     except DistributedError as exc:
         if not getattr(exc, "_peer", False):
-            _note_failure(exc)
+            note_failure(exc)
         raise
     except BaseException as exc:
-        if _is_comm_error(exc):
-            cause = _peer_failure(started - 1.0)
+        if is_comm_error(exc):
+            cause = peer_failure(started - 1.0)
             me = opts.Distributed.processId
             if cause is None:  # nobody raised: a process ended without an error (killed?)
                 err = DistributedError(
@@ -573,7 +573,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
                 err._peer = True
                 raise err from exc
         rank = opts.Distributed.processId
-        _note_failure(exc)
+        note_failure(exc)
         if hasattr(exc, "add_note"):
             exc.add_note(f"(ipukit: raised by process {rank} of {opts.Distributed.numProcesses})")
         raise

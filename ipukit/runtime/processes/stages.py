@@ -16,6 +16,9 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from ..._torch import hooked_stage_class, load_actions, mapped_runtime_class
+from ...schedules.registry import PIPELINED
+
 
 class CallContext:
     """What this process's stage bodies and stages read and write during a call."""
@@ -126,16 +129,13 @@ def timed_stage_class():
     a forward (F), a full backward (B), or a split one's input (I) and weight (W) gradients.
     A stage under DDP runs torch's shape inference in ``no_sync`` (see
     :func:`~ipukit.distributed.replicas.without_sync`)."""
-    from torch.distributed.pipelining import PipelineStage
-
     from .replicas import without_sync
 
-    class TimedStage(PipelineStage):
-        def _prepare_forward_infra(self, *args, **kwargs):
+    class TimedStage(hooked_stage_class()):
+        def around_shape_inference(self):
             # torch infers the stage's shapes at the first step by running its module once,
             # outside the schedule's no_sync: under DDP, without sync too (replicas.without_sync)
-            with without_sync(self.submod):
-                return super()._prepare_forward_infra(*args, **kwargs)
+            return without_sync(self.submod)
 
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
             ctx = self._ipukit_ctx
@@ -213,8 +213,8 @@ def _torch_schedule(kind: str, training: bool, stages: list, num_stages: int, la
 #: torch's classes of ipukit's modern schedules (several stages per process); ipukit's action
 #: lists equal theirs for the sizes torch supports (tests/test_schedules.py), and each is
 #: checked again before it runs.
-_TORCH_MULTI = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "looped-bfs": "ScheduleLoopedBFS",
-                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+#: torch's classes for the kinds with several stages per process (a loop or a V).
+_TORCH_MULTI = {k.name: k.torch_class for k in PIPELINED if k.placement in ("loop", "v")}
 
 
 def _compute_actions(order) -> List[str]:
@@ -251,28 +251,6 @@ def _torch_multi_schedule(kind: str, training: bool, stages: list, lanes, micro_
     return runner if theirs == ours else None
 
 
-def _runtime_class():
-    """torch's schedule runtime, told the stage → rank mapping instead of inferring it.
-
-    torch infers the mapping while checking that every stage has its backwards,
-    which a forward-only (inference) schedule does not; ipukit's schedule was
-    validated when it was built, and the mapping is the stages' virtual IPUs.
-    """
-    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
-                                                        _PipelineScheduleRuntime)
-
-    class Mapping(PipelineScheduleMulti):
-        def _validate_and_set_stage_mapping(self, actions) -> None:
-            self.stage_index_to_group_rank = dict(self._ipukit_stage_rank)
-            for stage in self._stages:
-                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-
-    class Runtime(_PipelineScheduleRuntime, Mapping):
-        pass
-
-    return Runtime
-
-
 def schedule_runner(schedule, training: bool, stages: list, stage_rank: Dict[int, int],
                     lanes: List[list], loss_fn):
     """What runs one iteration of ``schedule`` on this process's ``stages``.
@@ -284,17 +262,15 @@ def schedule_runner(schedule, training: bool, stages: list, stage_rank: Dict[int
     (``lanes``: one list per pp rank, in torch's ``_Action`` notation: F, B, and
     a split backward's I and W), with the stage → rank mapping ``stage_rank``.
     """
-    from torch.distributed.pipelining.schedules import _Action
-
     M = schedule.micro_batches
     runner = (_torch_schedule(schedule.kind, training, stages, len(stage_rank), lanes, M, loss_fn)
               or _torch_multi_schedule(schedule.kind, training, stages, lanes, M, loss_fn))
     if runner is not None:
         return runner
-    runner = _runtime_class()(stages, M, loss_fn=loss_fn if training else None, scale_grads=False)
-    runner._ipukit_stage_rank = dict(stage_rank)
-    runner._prepare_schedule_with_comms(
-        {r: [_Action.from_str(str(a)) for a in lane] for r, lane in enumerate(lanes)})
+    runner = mapped_runtime_class()(stages, M, loss_fn=loss_fn if training else None,
+                                    scale_grads=False)
+    runner.stage_rank = dict(stage_rank)
+    load_actions(runner, {r: [str(a) for a in lane] for r, lane in enumerate(lanes)})
     return runner
 
 

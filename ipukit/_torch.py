@@ -1,0 +1,116 @@
+"""Every private torch name ipukit uses, in one place (floor 0: imports torch only).
+
+torch.distributed.pipelining has no public API yet for these; each is wrapped here
+under a public name so that the rest of ipukit reads only public names, and so that a
+torch release that moves one breaks this module alone. ``tests/test_torch_adapter.py``
+checks each against the installed torch and names the versions it was run against.
+
+- ``pytree``: ``torch.utils._pytree`` (flattening nested inputs and outputs; torch has
+  no public pytree module in the supported versions).
+- ``torch_action``: ``torch.distributed.pipelining.schedules._Action`` (torch's action IR).
+- ``grad_fn_or_grad_acc``: ``pipelining._backward._get_grad_fn_or_grad_acc`` (the
+  autograd node of a tensor, or its gradient accumulator; the split backward's halves).
+- ``param_groups`` and ``reverse_graph``: ``pipelining._backward``'s helpers (public
+  names in a private module).
+- ``HookedStage``: ``PipelineStage`` whose first-step shape inference
+  (``_prepare_forward_infra``) runs inside :meth:`HookedStage.around_shape_inference`.
+- ``mapped_runtime_class``: ``_PipelineScheduleRuntime`` told the stage → rank mapping
+  (``_validate_and_set_stage_mapping``), and ``load_actions`` feeding it a schedule
+  (``_prepare_schedule_with_comms``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List
+
+import torch
+from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
+
+#: The private names above, as (module, attribute): what the adapter test checks.
+PRIVATE_NAMES = (
+    ("torch.utils._pytree", "tree_flatten"),
+    ("torch.distributed.pipelining.schedules", "_Action"),
+    ("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime"),
+    ("torch.distributed.pipelining._backward", "_get_grad_fn_or_grad_acc"),
+    ("torch.distributed.pipelining._backward", "get_param_groups"),
+    ("torch.distributed.pipelining._backward", "construct_reverse_graph"),
+)
+PRIVATE_METHODS = (
+    ("torch.distributed.pipelining.PipelineStage", "_prepare_forward_infra"),
+    ("torch.distributed.pipelining.schedules.PipelineScheduleMulti",
+     "_validate_and_set_stage_mapping"),
+    ("torch.distributed.pipelining.schedules._PipelineScheduleRuntime",
+     "_prepare_schedule_with_comms"),
+)
+
+
+def torch_action(text: str):
+    """torch's action for ``text`` in the shared notation (``"2F0"``, ``"1I3"``...)."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    return _Action.from_str(text)
+
+
+def grad_fn_or_grad_acc(t: torch.Tensor):
+    """The autograd node that produced ``t``, or the gradient accumulator of a leaf."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
+    return _get_grad_fn_or_grad_acc(t)
+
+
+def param_groups(inputs, params, reverse_edges):
+    """torch's grouping of a stage's parameters by the inputs they share a graph with
+    (``pipelining._backward.get_param_groups``), for the weight-gradient half."""
+    from torch.distributed.pipelining._backward import get_param_groups
+
+    return get_param_groups(inputs, params, reverse_edges)
+
+
+def reverse_graph(roots):
+    """torch's reverse autograd graph from ``roots`` (``_backward.construct_reverse_graph``)."""
+    from torch.distributed.pipelining._backward import construct_reverse_graph
+
+    return construct_reverse_graph(roots)
+
+
+def hooked_stage_class():
+    """``PipelineStage`` with a public hook around its first-step shape inference."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class HookedStage(PipelineStage):
+        def around_shape_inference(self):
+            """A context manager around torch's shape inference (default: nothing)."""
+            return contextlib.nullcontext()
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            with self.around_shape_inference():
+                return super()._prepare_forward_infra(*args, **kwargs)
+
+    return HookedStage
+
+
+def mapped_runtime_class():
+    """torch's action-list runtime, told the stage → rank mapping instead of inferring it.
+
+    torch infers the mapping while checking that every stage has its backwards, which a
+    forward-only schedule does not have; set ``runner.stage_rank`` before loading actions.
+    """
+    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                        _PipelineScheduleRuntime)
+
+    class Mapping(PipelineScheduleMulti):
+        def _validate_and_set_stage_mapping(self, actions) -> None:
+            self.stage_index_to_group_rank = dict(self.stage_rank)
+            for stage in self._stages:
+                stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+
+    class Runtime(_PipelineScheduleRuntime, Mapping):
+        pass
+
+    return Runtime
+
+
+def load_actions(runner, lanes: Dict[int, List[str]]) -> None:
+    """Feed ``runner`` (a :func:`mapped_runtime_class` instance) one list of actions per rank."""
+    runner._prepare_schedule_with_comms(
+        {rank: [torch_action(a) for a in lane] for rank, lane in lanes.items()})
