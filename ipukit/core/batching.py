@@ -97,20 +97,30 @@ def check_period(mode: OutputMode, period: int, batching: Batching) -> None:
             f"× gradientAccumulation = {batching.steps}. Choose a divisor of {batching.steps}.")
 
 
+def returned_steps(mode: OutputMode, period: int, steps: int) -> List[int]:
+    """The steps (micro-batches of one replica, in call order) whose outputs ``mode`` reads.
+
+    The one home of this rule (threads, processes and the dashboard ask here): ``Final``
+    the last step, ``EveryN`` every ``period``-th, ``All`` and ``Sum`` every step.
+    """
+    if mode == OutputMode.Final:
+        return [steps - 1]
+    if mode == OutputMode.EveryN:
+        return [s for s in range(steps) if (s + 1) % period == 0]
+    return list(range(steps))
+
+
 def kept_rows(mode: OutputMode, period: int, batching: Batching) -> Optional[FrozenSet[int]]:
     """The rows (micro-batches, combined-batch order) whose outputs ``mode`` returns.
 
     ``None`` means every row (``All``, ``Sum``); the executor copies outputs to
     the host only for these rows.
     """
-    R, steps = batching.replicas, batching.steps
-    if mode == OutputMode.Final:
-        chosen = [steps - 1]
-    elif mode == OutputMode.EveryN:
-        chosen = [s for s in range(steps) if (s + 1) % period == 0]
-    else:
+    if mode not in (OutputMode.Final, OutputMode.EveryN):
         return None
-    return frozenset(s * R + r for s in chosen for r in range(R))
+    R = batching.replicas
+    return frozenset(s * R + r for s in returned_steps(mode, period, batching.steps)
+                     for r in range(R))
 
 
 def gather(per_microbatch: List[list], mode: OutputMode, period: int,
@@ -139,7 +149,7 @@ def gather(per_microbatch: List[list], mode: OutputMode, period: int,
         if mode == OutputMode.All:
             result.append(_join([at(s, r) for s in range(steps) for r in range(R)]))
         elif mode == OutputMode.EveryN:
-            chosen = [s for s in range(steps) if (s + 1) % period == 0]
+            chosen = returned_steps(mode, period, steps)
             result.append(_join([at(s, r) for s in chosen for r in range(R)]))
         elif mode == OutputMode.Final:
             per_replica = [at(steps - 1, r) for r in range(R)]

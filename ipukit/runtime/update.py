@@ -73,9 +73,17 @@ def reduce_gradients(accumulators: Dict[Tuple[int, int], list],
     return grads
 
 
-def gradient_scale(reduction: ReductionType, window: int, loss_scaling: float) -> float:
-    """What the summed gradients are multiplied by: the Mean over the window, unscaled."""
-    return (1.0 / window if reduction == ReductionType.Mean else 1.0) / loss_scaling
+def gradient_scale(reduction: ReductionType, window: int, loss_scaling: float = 1.0,
+                   averaged: int = 1) -> float:
+    """What the combined gradients are multiplied by: PopTorch's Mean/Sum rule, unscaled.
+
+    The one home of the rule (threads and processes both ask here). ``window`` is the
+    number of micro-batch gradients combined (micro-batches × replicas); ``averaged`` how
+    many of them a reducer has averaged rather than summed already (DDP averages over the
+    replicas). Mean divides by the window, Sum keeps the sum.
+    """
+    scale = averaged / window if reduction == ReductionType.Mean else float(averaged)
+    return scale / loss_scaling
 
 
 def move_optimizer_state(optimizer, to_host: bool) -> List[Tuple[float, float]]:

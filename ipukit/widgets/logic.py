@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..core.batching import returned_steps
 from ..core.enums import AutoStage, OutputMode
 from ..core.errors import Error
 from ..core.options import Options, TensorLocationSettings
@@ -630,15 +631,10 @@ def returned_micro_batches(config: Config) -> Optional[List[int]]:
 
     ``None`` for ``Sum`` (outputs are added up, no micro-batch is returned as such).
     """
-    steps = config.micro_batches_per_call
-    mode = config.resolved_output_mode
-    if mode == "All":
-        return list(range(steps))
-    if mode == "Final":
-        return [steps - 1]
-    if mode == "EveryN":
-        return [s for s in range(steps) if (s + 1) % config.output_return_period == 0]
-    return None
+    mode = OutputMode[config.resolved_output_mode]
+    if mode == OutputMode.Sum:
+        return None
+    return returned_steps(mode, config.output_return_period, config.micro_batches_per_call)
 
 
 def matching_labels(labels: torch.Tensor, config: Config) -> Optional[torch.Tensor]:

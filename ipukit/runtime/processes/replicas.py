@@ -2,8 +2,8 @@
 
 :func:`gradient_sync` is the one rule: torch's ``DistributedDataParallel`` wherever it
 works, one flat all-reduce where it cannot. :func:`under_ddp` puts a stage under DDP,
-:func:`sum_over_replicas` is the all-reduce, and :func:`gradient_scale` applies
-PopTorch's Mean/Sum rule on top of either.
+:func:`sum_over_replicas` is the all-reduce; PopTorch's Mean/Sum rule on top of either is
+:func:`ipukit.runtime.update.gradient_scale`.
 """
 from __future__ import annotations
 
@@ -106,15 +106,3 @@ def sum_over_replicas(params: List[torch.nn.Parameter], dp_group) -> None:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
 
-
-def gradient_scale(reduction: ReductionType, micro_batches: int, replicas: int,
-                   ddp: bool) -> float:
-    """The factor PopTorch's Mean/Sum rule puts on the combined gradients.
-
-    Mean: over the micro-batches and the replicas; Sum: none. DDP has averaged
-    over the replicas already, the all-reduce summed.
-    """
-    averaged = replicas if ddp else 1
-    if reduction == ReductionType.Mean:
-        return 1.0 / (micro_batches * (replicas // averaged))
-    return float(averaged)

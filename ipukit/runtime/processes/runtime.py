@@ -46,7 +46,8 @@ from ...timeline.events import Event, KIND_NAMES, Timeline
 from ..update import StateSnapshot
 from .exchange import RowExchange, SpanGather
 from .group import (DistributedError, device_for, is_comm_error, note_failure, peer_failure, ensure_process_group, is_active)
-from .replicas import ALL_REDUCE, DDP, gradient_scale, gradient_sync, sum_over_replicas, under_ddp
+from ..update import gradient_scale
+from .replicas import ALL_REDUCE, DDP, gradient_sync, sum_over_replicas, under_ddp
 from .stages import (CallContext, StageBody, carry_plan, process_lanes, schedule_runner, timed_stage_class)
 
 __all__ = ["NOT_DISTRIBUTED", "DistributedError", "is_active", "ensure_process_group",
@@ -425,7 +426,8 @@ class _Runtime:
         c = self.compiled
         t_start = time.perf_counter()
         self._copy_weights()  # in case no forward named by idle_point ran
-        scale = gradient_scale(c.reduction, self.M, self.layout.dp, self.replica_sync == DDP)
+        scale = gradient_scale(c.reduction, self.M * self.layout.dp,
+                               averaged=self.layout.dp if self.replica_sync == DDP else 1)
         scale /= self.loss_scaling
         if scale != 1.0:
             for p in self.params:
@@ -481,13 +483,8 @@ def _call_outputs(c: Compiled, rows: Dict[int, Dict[int, Any]], micro: List[list
 
 def _returned_micro_batches(mode, period: int, steps: int) -> List[bool]:
     """Which micro-batches' outputs the output mode returns (only those are gathered)."""
-    from ...core.enums import OutputMode
-
-    if mode == OutputMode.Final:
-        return [k == steps - 1 for k in range(steps)]
-    if mode == OutputMode.EveryN:
-        return [(k + 1) % period == 0 for k in range(steps)]
-    return [True] * steps
+    chosen = set(microbatch.returned_steps(mode, period, steps))
+    return [k in chosen for k in range(steps)]
 
 
 def _short(value: Any) -> str:
