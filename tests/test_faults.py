@@ -459,3 +459,81 @@ def test_an_in_place_change_to_an_input_trains_as_plain_pytorch():
     reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x.clone(), y,
                        device_iterations=1, gradient_accumulation=3, replicas=1)
     assert max_weight_diff(model, ref) < 1e-6
+
+
+@pytest.mark.parametrize("burst", [2, 10, 200])
+def test_a_burst_of_ctrl_c_returns_only_after_every_worker_joined(monkeypatch, burst):
+    """Ctrl-C many times, 2 ms apart, from a worker mid-call: whichever part of the abort
+    each one lands in (stopping, joining, restoring), the exception reaches the caller only
+    after every worker has ended, and the state is the one from before the call."""
+    import threading
+
+    from ipukit.runtime import workers
+
+    torch.manual_seed(0)
+    model = BNStack()
+    opts = ipukit.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tm = ipukit.trainingModel(model, opts, optimizer=opt)
+    x, y = make_data(12 * 4)
+    tm(x, y)
+    saved = _state(model, opt)
+    puts = {"n": 0}
+    original = workers.Exchange.put
+
+    def put(self, key, value):
+        original(self, key, value)
+        puts["n"] += 1
+        if puts["n"] == 5:
+            for _ in range(burst):
+                _thread.interrupt_main()
+                time.sleep(0.002)
+
+    monkeypatch.setattr(workers.Exchange, "put", put)
+    with pytest.raises(KeyboardInterrupt):
+        tm(x, y)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ipukit-")] == []
+    time.sleep(0.1)
+    _assert_unchanged(model, opt, saved)
+    monkeypatch.setattr(workers.Exchange, "put", original)
+    tm(x, y)   # the next call trains normally
+
+
+def test_an_error_then_ctrl_c_during_the_abort_leaves_no_worker(monkeypatch):
+    """A worker fails, and Ctrl-C arrives while the others are being stopped: the worker's
+    error is raised (the Ctrl-C is absorbed by the abort), after every worker joined."""
+    import threading
+
+    from ipukit.runtime import workers
+
+    torch.manual_seed(0)
+    model = BNStack()
+    opts = ipukit.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tm = ipukit.trainingModel(model, opts, optimizer=opt)
+    x, y = make_data(12 * 4)
+    tm(x, y)
+    saved = _state(model, opt)
+    original_fail = workers.Pool.fail
+    original_put = workers.Exchange.put
+    puts = {"n": 0}
+
+    def put(self, key, value):
+        original_put(self, key, value)
+        puts["n"] += 1
+        if puts["n"] == 5:
+            raise ValueError("a worker fails")
+
+    def fail(self, exc):
+        _thread.interrupt_main()   # Ctrl-C lands while the pool is being stopped
+        original_fail(self, exc)
+
+    monkeypatch.setattr(workers.Exchange, "put", put)
+    monkeypatch.setattr(workers.Pool, "fail", fail)
+    with pytest.raises((ValueError, KeyboardInterrupt)):
+        tm(x, y)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ipukit-")] == []
+    time.sleep(0.1)
+    _assert_unchanged(model, opt, saved)

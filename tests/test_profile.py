@@ -1,5 +1,6 @@
 """Profile files: a Chrome trace and an offline HTML report per call, never overwritten."""
 import json
+import pathlib
 import re
 
 import torch
@@ -48,3 +49,34 @@ def test_profile_dir_writes_every_call_of_every_model(tmp_path):
     calls = {json.loads((out / f"training-call000{k}.trace.json").read_text())["otherData"]["call"]
              for k in (0, 1)}
     assert calls == {0, 1}
+
+
+def test_a_profile_without_the_viz_extra_keeps_the_trace_and_says_what_is_missing(tmp_path):
+    """plotly missing: the trace and memory are written, the HTML names the extra to install."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('plotly',):
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        sys.meta_path.insert(0, Block())
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        import torch, ipukit
+        from helpers import StackNet, make_data
+        opts = ipukit.Options().profileDir({str(tmp_path)!r})
+        opts.Training.gradientAccumulation(3)
+        net = StackNet(num_blocks=2)
+        m = ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+        m(*make_data(6))
+        print('plotly' in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    html = next(tmp_path.glob("*.html")).read_text()
+    assert 'pip install &quot;ipukit[viz]&quot;' in html
+    assert list(tmp_path.glob("*.trace.json"))

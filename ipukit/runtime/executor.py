@@ -27,6 +27,7 @@ from ..core.ops import running_on_ipu
 from ..compile.program import Program
 from ..schedules.ir import Schedule
 from ..timeline.events import Event, Timeline
+from .abort import abort_call
 from .workers import Aborted, Exchange, InterruptGuard, Pool
 
 __all__ = ["Aborted", "CallRunner", "Exchange", "StateSnapshot", "default_threads"]
@@ -129,9 +130,9 @@ class CallRunner:
                 else:
                     self._run_threads()
             except BaseException:
+                # every worker has ended here (see _run_threads): what is left is the state
                 if snapshot is not None:
-                    with self.guard.deferred(raise_pending=False):
-                        snapshot.restore()
+                    abort_call(lambda: None, lambda _: [], snapshot.restore, self.guard)
                 raise
 
     def _grad_mode(self):
@@ -197,6 +198,7 @@ class CallRunner:
         names = [f"ipukit-ipu{ipu if ipu is not None else 'all'}-replica{r}"
                  for r in range(self.replicas) for ipu in schedule.lane_ipus]
         pool = Pool(names, work, on_error=exchange.abort).start()
+        failure: Optional[BaseException] = None
         try:
             for it in range(iterations):
                 go[it].set()
@@ -209,11 +211,16 @@ class CallRunner:
                 if training:
                     self.step(it)
         except BaseException as exc:  # KeyboardInterrupt, or a failed step
-            pool.fail(exc)
+            failure = exc
         finally:
-            for event in go:
-                event.set()
-            pool.join()  # every worker has ended when this returns, even after a 2nd Ctrl-C
+            def stop() -> None:
+                if failure is not None:
+                    pool.fail(failure)
+                for event in go:   # workers waiting for a later iteration see the abort
+                    event.set()
+
+            # every worker has ended when this returns, even after a second Ctrl-C
+            abort_call(stop, pool.join, None, self.guard, absorb=failure is not None)
         if pool.error is not None:
             raise pool.error
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import _thread
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -122,16 +123,18 @@ class Pool:
     def alive(self) -> List[str]:
         return [t.name for t in self.threads if t.is_alive()]
 
-    def join(self) -> None:
-        """Wait for every worker to end, whatever happens meanwhile.
+    def join(self, deadline: Optional[float] = None) -> List[str]:
+        """Wait for every worker to end, whatever happens meanwhile; the names still alive.
 
         Waits in short slices so the main thread stays responsive; a Ctrl-C
         arriving while it waits stops the workers (via ``fail``) and the wait
-        goes on; it is raised once every worker has ended.
+        goes on; it is raised once every worker has ended. With ``deadline``
+        (seconds), it waits no longer and returns the workers still running.
         """
         interrupted: Optional[BaseException] = None
+        end = None if deadline is None else time.monotonic() + deadline
         for t in self.threads:
-            while t.is_alive():
+            while t.is_alive() and (end is None or time.monotonic() < end):
                 try:
                     t.join(timeout=0.05)
                 except KeyboardInterrupt as exc:
@@ -139,6 +142,7 @@ class Pool:
                     self.fail(exc)
         if interrupted is not None:
             raise interrupted
+        return self.alive()
 
 
 class InterruptGuard:

@@ -60,3 +60,9 @@ def kind_of(name: str) -> Optional[str]:
         if key in (kind.name.replace("-", ""), kind.title.lower()):
             return kind.name
     return None
+
+
+def title_of(kind) -> str:
+    """A schedule's name as the options spell it (``1F1B``, ``GPipe``, ``Sharded``)."""
+    found = KINDS_BY_NAME.get(str(kind).lower())
+    return found.title if found is not None else str(kind)

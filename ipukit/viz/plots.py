@@ -17,6 +17,7 @@ with needs_extra("viz", "ipukit.plots"):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+from ..schedules.registry import title_of
 from ..timeline.events import COMPUTE_KINDS, Timeline
 
 # PopVision's convention: forward passes green, backward passes red.
@@ -124,10 +125,7 @@ def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
 
 def schedule_name(kind) -> str:
     """Schedule names as the options spell them: ``1F1B``, ``GPipe``."""
-    from ..schedules.registry import PIPELINED_KINDS
-
-    names = {**PIPELINED_KINDS, "sharded": "Sharded"}
-    return names.get(str(kind).lower(), str(kind))
+    return title_of(kind)
 
 
 def _describe(timeline: Timeline) -> str:

@@ -15,8 +15,8 @@ import threading
 import weakref
 from typing import Any, Dict
 
-from . import plots
-from .plots import schedule_name
+from ..core.errors import MissingExtraError
+from ..schedules.registry import title_of as schedule_name
 from ..timeline.events import Timeline
 
 _lock = threading.Lock()
@@ -100,15 +100,22 @@ def write_profile(timeline: Timeline, directory: str, model=None) -> Dict[str, s
     paths = {"trace": os.path.join(directory, f"{stem}.trace.json"),
              "html": os.path.join(directory, f"{stem}.html")}
     timeline.to_chrome_trace(paths["trace"])
-    figures = [plots.timeline_figure(timeline, title=f"{stem}"), plots.utilisation_figure(timeline)]
     report = _memory(model)
     if report is not None:
-        figures.append(plots.memory_figure(report))
         paths["memory"] = os.path.join(directory, f"{stem}.memory.json")
         with open(paths["memory"], "w") as f:
             json.dump(report.to_dict(), f, indent=1)
-    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0), default_width="100%")
-             for i, fig in enumerate(figures)]
+    try:  # the figures need the viz extra; the trace, the numbers and the memory do not
+        from . import plots
+    except MissingExtraError as exc:
+        parts = [f"<p>{html.escape(str(exc))} (the figures are left out).</p>"]
+    else:
+        figures = [plots.timeline_figure(timeline, title=f"{stem}"),
+                   plots.utilisation_figure(timeline)]
+        if report is not None:
+            figures.append(plots.memory_figure(report))
+        parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0), default_width="100%")
+                 for i, fig in enumerate(figures)]
     table = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
                     for k, v in _summary(timeline).items())
     title = html.escape(f"ipukit profile — {stem}")
