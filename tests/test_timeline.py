@@ -366,3 +366,21 @@ def test_available_cores_is_the_executors_count():
     from ipukit.timeline.simulate import available_cores
 
     assert available_cores() == len(os.sched_getaffinity(0)) == default_threads(1)
+
+
+def test_concat_keeps_every_calls_meta_and_the_totals():
+    """Three calls joined: samples add up, so throughput and time per call are the calls'."""
+    calls = []
+    for k in range(3):
+        events = [Event(0, "forward", 0, 0.0, 0.010, 0, 0, 0, k),
+                  Event(1, "forward", 0, 0.010, 0.020, 1, 0, 0, k)]
+        calls.append(Timeline(events, meta={"samples": 40, "call": k, "iterations": 1}))
+    joined = Timeline.concat(calls)
+    assert joined.calls == 3
+    assert joined.meta["samples"] == 120
+    assert [m["call"] for m in joined.meta["per_call"]] == [0, 1, 2]
+    assert joined.wall_time == pytest.approx(0.060)
+    assert joined.time_per_call() == pytest.approx(0.020)
+    assert joined.throughput() == pytest.approx(120 / 0.060)
+    assert joined.throughput() == pytest.approx(calls[0].throughput())
+    assert joined.time_per_step() == pytest.approx(0.020)

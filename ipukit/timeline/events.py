@@ -125,8 +125,7 @@ class Timeline:
 
     def time_per_step(self) -> float:
         """Seconds of wall time per optimiser step (per device iteration for inference)."""
-        calls = len({e.call for e in self.events}) or 1
-        return self.wall_time / (max(1, self.iterations) * calls)
+        return self.wall_time / (max(1, self.iterations) * max(1, self.calls))
 
     def speed(self) -> Dict[str, float]:
         """The numbers to judge a run by: ``wall`` (s), ``time_per_step`` (s), ``samples_per_second``."""
@@ -201,17 +200,43 @@ class Timeline:
 
     @staticmethod
     def concat(timelines: Iterable["Timeline"]) -> "Timeline":
-        """Join consecutive calls' timelines on one time axis."""
+        """Join consecutive calls' timelines on one time axis.
+
+        The result's ``meta`` is the last call's, with the totals of all of them:
+        ``samples`` (summed, so ``throughput()`` is over every call), ``calls``, and
+        each call's own ``meta`` under ``per_call``.
+        """
         out = Timeline()
         offset = 0.0
+        metas = []
         for k, tl in enumerate(timelines):
             shift = offset - tl.start
             for e in tl.events:
                 out.events.append(e._replace(start=e.start + shift, end=e.end + shift, call=k))
             offset += tl.wall_time
             out.modeled = tl.modeled
-            out.meta = dict(tl.meta)
+            metas.append(dict(tl.meta))
+        if metas:
+            out.meta = dict(metas[-1])
+            out.meta["calls"] = len(metas)
+            out.meta["per_call"] = metas
+            samples = [m.get("samples") for m in metas]
+            if all(samples):
+                out.meta["samples"] = sum(samples)
+            else:
+                out.meta.pop("samples", None)
         return out
+
+    @property
+    def calls(self) -> int:
+        """How many model calls the timeline holds (several after :meth:`concat`)."""
+        if "calls" in self.meta:
+            return int(self.meta["calls"])
+        return len({e.call for e in self.events}) or 1
+
+    def time_per_call(self) -> float:
+        """Seconds of wall time per model call."""
+        return self.wall_time / max(1, self.calls)
 
     def __repr__(self) -> str:
         u = self.utilisation()["overall"] if self.events else 0.0

@@ -139,7 +139,7 @@ def _describe(timeline: Timeline) -> str:
     if meta.get("micro_batches"):
         parts.append(f"{meta['micro_batches']} micro-batches")
     if timeline.events:
-        parts.append(f"{timeline.wall_time * 1e3:.2f} ms per call")
+        parts.append(f"{timeline.time_per_call() * 1e3:.2f} ms per call")
         if timeline.iterations > 1:
             parts.append(f"{timeline.time_per_step() * 1e3:.2f} ms per step")
         if timeline.meta.get("samples"):
