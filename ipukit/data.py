@@ -34,20 +34,13 @@ import torch
 
 from ._torch import pytree
 from .core.enums import DataLoaderMode
-from .core.errors import DataError, Error, OptionsError
+from .core.errors import DataError, Error, LoaderLengthError, OptionsError
 from .core.options import Options
 
 #: The keyword arguments PopTorch's ``async_options`` accepted (those of its
 #: ``AsynchronousDataAccessor``); ipukit uses ``buffer_size`` and accepts the others.
 ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "early_preload",
                  "sharing_strategy")
-
-
-class LoaderLengthError(Error, TypeError):
-    """``len()`` of a loader whose dataset or batch sampler has no length.
-
-    A ``TypeError``, as Python's ``len()`` raises, so ``list(loader)`` still works.
-    """
 
 
 def _warn_incomplete_last_batch(dataset, combined: int, drop_last: bool) -> None:

@@ -70,6 +70,13 @@ class LossError(Error, ValueError):
     """The model's loss cannot be trained on (not a scalar, no loss output)."""
 
 
+class LoaderLengthError(Error, TypeError):
+    """``len()`` of a loader whose dataset or batch sampler has no length.
+
+    A ``TypeError``, as Python's ``len()`` raises, so ``list(loader)`` still works.
+    """
+
+
 class MissingExtraError(Error, ImportError):
     """A part of ipukit whose optional dependencies (an extra) are not installed."""
 
