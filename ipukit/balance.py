@@ -131,7 +131,7 @@ class _BlockNames(_blocks.BlockRecorder):
         return user_id
 
 
-def _as_args(sample_inputs) -> Tuple:
+def as_args(sample_inputs) -> Tuple:
     return tuple(sample_inputs) if isinstance(sample_inputs, (tuple, list)) else (sample_inputs,)
 
 
@@ -141,7 +141,7 @@ def discover_blocks(model: torch.nn.Module, sample_inputs) -> List[str]:
     previous = _blocks.set_recorder(recorder)
     try:
         with unchanged_state([model]), torch.no_grad():
-            model(*_as_args(sample_inputs))
+            model(*as_args(sample_inputs))
     finally:
         _blocks.set_recorder(previous)
     return list(recorder.entered)
@@ -187,7 +187,7 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
     from .core.options import Options
 
     repeats = max(1, int(repeats))
-    batch = tuple(_repeat(a, repeats) for a in _as_args(sample_inputs))
+    batch = tuple(_repeat(a, repeats) for a in as_args(sample_inputs))
     options = Options()
     options.Training.gradientAccumulation(repeats)
     options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),

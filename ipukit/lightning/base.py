@@ -16,17 +16,25 @@ from ..core.errors import Error
 try:
     import pytorch_lightning  # noqa: F401
     from pytorch_lightning.trainer.states import RunningStage
+    from pytorch_lightning.utilities.exceptions import MisconfigurationException
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "ipukit.lightning needs pytorch-lightning 2.6.6: pip install 'ipukit[lightning]' "
         f"(or pip install pytorch-lightning==2.6.6). ({exc})") from exc
 
 
-class LightningError(Error, ValueError):
-    """A Lightning setting or LightningModule feature that ipukit's IPU strategy cannot run."""
+class LightningError(Error, ValueError, MisconfigurationException):
+    """A Lightning setting or LightningModule feature that ipukit's IPU strategy cannot run.
+
+    Also Lightning's ``MisconfigurationException`` (lightning_fabric's, which
+    ``pytorch_lightning.utilities.exceptions`` re-exports), which lightning-graphcore raised
+    for these, and a ``ValueError``, which it raised for an unsupported precision; so
+    ``except MisconfigurationException`` in ported code keeps working.
+    """
 
 
 CLIPPING_MESSAGE = (
+    "IPUs currently do not support clipping gradients. "
     "Trainer(gradient_clip_val={value!r}): ipukit steps the optimiser inside the model call, so "
     "Lightning cannot clip the gradients in between. Remove gradient_clip_val and clip in the "
     "optimiser instead: return e.g. ipukit.optim.AdamW(self.parameters(), lr=..., "

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from .strategy import IPUStrategy
 
 _ONE_OPTIMIZER = (
-    "configure_optimizers() returned {count}; an ipukit training model steps one "
-    "optimiser inside each call. Return one optimizer (parameter groups give parts of the model "
-    "their own settings).")
+    "IPUs currently only support one optimizer. configure_optimizers() returned {count}; an "
+    "ipukit training model steps one optimiser inside each call. Return one optimizer "
+    "(parameter groups give parts of the model their own settings).")
 
 
 class TrainerSetup:
@@ -41,7 +41,7 @@ class TrainerSetup:
 
     Args:
         strategy: the strategy it serves (read for ``device_iterations``,
-            ``replication_factor`` and ``lightning_module``).
+            ``device_count``, ``devices_auto`` and ``lightning_module``).
         training_opts, inference_opts: the user's ``ipukit.Options``, or None.
     """
 
@@ -67,7 +67,6 @@ class TrainerSetup:
         for stage in ("validate", "test", "predict"):
             self.opts[stage] = self._options(stage, trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_max_steps(trainer)
             # one Lightning batch is a whole ipukit call, accumulation included
             self._saved_accumulation = (trainer, trainer.accumulate_grad_batches)
             trainer.accumulate_grad_batches = 1
@@ -95,10 +94,13 @@ class TrainerSetup:
             raise LightningError(_ONE_OPTIMIZER.format(count=f"{len(optimizers)} optimizers"))
 
     def _check_setup(self, trainer, module) -> None:
+        datamodule = getattr(trainer, "datamodule", None)
         for hook in ("transfer_batch_to_device", "on_after_batch_transfer"):
-            if is_overridden(hook, module):
+            owner = next((o for o in (module, datamodule) if is_overridden(hook, o)), None)
+            if owner is not None:
                 raise LightningError(
-                    f"{type(module).__name__}.{hook} is overridden, but on ipukit the batch "
+                    f"Overriding `{hook}` is not supported with IPUs: "
+                    f"{type(owner).__name__}.{hook} is overridden, but on ipukit the batch "
                     "goes to the virtual IPUs inside the model call, so the hook would never "
                     "see it there. Remove the override; prepare batches in the dataset, the "
                     "collate_fn or on_before_batch_transfer instead.")
@@ -118,20 +120,27 @@ class TrainerSetup:
                 "but an ipukit training model is compiled for one gradientAccumulation. Use a "
                 "fixed Trainer(accumulate_grad_batches=N).")
 
-    def _check_max_steps(self, trainer) -> None:
-        di = self.opts["train"].device_iterations
-        max_steps = trainer.max_steps
-        if max_steps is not None and max_steps > 0 and max_steps % di:
-            raise LightningError(
-                f"Trainer(max_steps={max_steps}) is not a multiple of device_iterations ({di}): "
-                f"each ipukit call makes {di} optimiser steps, so training would stop at "
-                f"{-(-max_steps // di) * di}. Set max_steps to a multiple of {di}.")
+    def planned_replication_factor(self) -> int:
+        """Replicas the options built at setup will have (lightning-graphcore's rule).
+
+        The user's options' ``replicationFactor`` when given (training options first), else
+        ``devices``. With ``devices`` given explicitly (not ``"auto"``) and options left at
+        one replica, ``devices`` fills it in, as :meth:`prepare` will.
+        """
+        devices = self._strategy.device_count
+        user = next((o for o in (self.user_training_opts, self.user_inference_opts)
+                     if o is not None), None)
+        if user is None:
+            return devices
+        if self._strategy.devices_auto or devices == 1 or user.replication_factor != 1:
+            return user.replication_factor
+        return devices
 
     def _options(self, stage: str, trainer) -> Options:
         training = stage == "train"
         user = self.user_training_opts if training else self.user_inference_opts
         ga = int(trainer.accumulate_grad_batches) if training else 1
-        replicas = self._strategy.replication_factor
+        replicas = self._strategy.device_count
         if user is None:
             opts = Options().deviceIterations(self._strategy.device_iterations)
             if replicas > 1:
@@ -144,7 +153,9 @@ class TrainerSetup:
         else:
             opts = user.clone()
             which = "training_opts" if training else "inference_opts"
-            if replicas > 1 and opts.replication_factor != replicas:
+            # devices="auto": the user's options decide, as in lightning-graphcore
+            if (not self._strategy.devices_auto and replicas > 1
+                    and opts.replication_factor != replicas):
                 if opts.replication_factor != 1:
                     raise LightningError(
                         f"Trainer(devices={replicas}) and IPUStrategy({which}) with "

@@ -4,15 +4,16 @@ A LightningModule's ``training_step`` (and validation, test, predict steps) beco
 the forward of a :class:`_StepModule`, wrapped once per kind of run and dataloader
 in an ipukit ``trainingModel`` or ``inferenceModel``; the first batch compiles it.
 :class:`StepBridge` (a collaborator that :class:`~ipukit.lightning.IPUStrategy`
-creates and delegates to) runs those models, casts inputs, reports ``self.log``
-calls a traced step cannot make, and advances Lightning's step count by the device
-iterations of each call.
+creates and delegates to) builds the models at setup (the strategy's
+``poptorch_models``), runs them, casts inputs, and reports ``self.log`` calls a traced
+step cannot make. One Lightning training step is one call (whatever its device
+iterations), so Lightning's own step counting needs no help.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 import torch
 
@@ -130,13 +131,27 @@ class StepBridge:
         self._strategy = strategy
         self._setup = setup
         self.models: Dict[tuple, Any] = {}   # (step, dataloader_idx) -> its ipukit model
+        # the current run's dataloader-0 model per RunningStage (lightning-graphcore's dict)
+        self.poptorch_models: Dict[RunningStage, Any] = {}
         self.last: Dict[str, Any] = {}       # stage key -> its latest ipukit model (kept after teardown)
         self._log_originals: Optional[Dict[str, Any]] = None
 
     # -- lifetime --------------------------------------------------------------------
     def start(self) -> None:
-        """At setup: no models yet (each is built and compiled at its first batch)."""
+        """At setup, before Lightning's: no models yet."""
         self.models = {}
+        self.poptorch_models = {}
+
+    def build(self, fitting: bool, stages: Iterable[RunningStage]) -> None:
+        """At setup, after Lightning's (the optimizer exists): the models of ``stages``.
+
+        They wrap the module without compiling (each compiles at its first batch), as
+        lightning-graphcore built its ``poptorch_models`` at setup.
+        """
+        for stage in stages:
+            if stage == RunningStage.TRAINING and not fitting:
+                continue
+            self._wrapped(stage, 0)
 
     def release(self) -> None:
         """At teardown: unwrap the training models (the module can be trained again)."""
@@ -184,7 +199,8 @@ class StepBridge:
         self._log_originals = None
 
     # -- steps -----------------------------------------------------------------------
-    def _model_for(self, stage: RunningStage, dataloader_idx: int):
+    def _wrapped(self, stage: RunningStage, dataloader_idx: int):
+        """The ipukit model of ``stage``'s step for one dataloader, made at its first use."""
         step = _STEP_OF[stage]
         key = (step, dataloader_idx)
         model = self.models.get(key)
@@ -197,6 +213,12 @@ class StepBridge:
             else:
                 model = inferenceModel(wrapper, self._setup.opts[stage_key])
             self.models[key] = model
+        if dataloader_idx == 0:
+            self.poptorch_models.setdefault(stage, model)
+        return model
+
+    def _model_for(self, stage: RunningStage, dataloader_idx: int):
+        model = self._wrapped(stage, dataloader_idx)
         self.last[STAGE_KEY[stage]] = model
         return model
 
@@ -247,6 +269,8 @@ class StepBridge:
             names = ", ".join(sorted({repr(n) for _, n in calls if n})) or "values"
             model.destroy()
             self.models = {k: v for k, v in self.models.items() if v is not model}
+            self.poptorch_models = {k: v for k, v in self.poptorch_models.items()
+                                    if v is not model}
             raise LightningError(
                 f"{type(module).__name__}.{step} calls self.log ({names}), but "
                 f"ipukit traced it into {stages} pipeline stages: a traced step runs on the "
@@ -254,23 +278,3 @@ class StepBridge:
                 "(e.g. return {'loss': loss, 'acc': acc}) and log them in "
                 f"{_BATCH_END_HOOK[step]}(self, outputs, batch, batch_idx), e.g. "
                 "self.log('acc', outputs['acc']).")
-
-    def account_steps(self) -> None:
-        """A call with N device iterations made N optimiser steps; Lightning counts one."""
-        extra = self._setup.opts["train"].device_iterations - 1
-        if extra <= 0:
-            return
-        module = self._strategy.lightning_module
-        trainer = module.trainer
-        progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
-        progress.optimizer.step.increment_by(extra)
-        for config in trainer.lr_scheduler_configs:
-            if config.interval != "step" or config.reduce_on_plateau:
-                continue
-            if config.frequency != 1:
-                raise LightningError(
-                    f"An lr scheduler with interval='step' and frequency={config.frequency} "
-                    f"cannot follow optimiser steps made {extra + 1} at a time "
-                    "(device_iterations); use frequency=1 or device_iterations=1.")
-            for _ in range(extra):
-                module.lr_scheduler_step(config.scheduler, None)

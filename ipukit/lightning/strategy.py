@@ -22,8 +22,12 @@ How a Lightning run maps onto ipukit:
 * ``devices`` is the replication factor, ``accumulate_grad_batches`` the gradient
   accumulation; ``Block``/``BeginBlock`` annotations split the model into pipeline stages
   as in any ipukit model;
-* Lightning's ``global_step`` counts optimiser steps: a call with ``device_iterations=N``
-  advances it by N, and schedulers with ``interval="step"`` step N times after it.
+* one Lightning training step is one ipukit call, as in lightning-graphcore: ``global_step``,
+  ``max_steps`` and ``interval="step"`` schedulers count calls; a call with
+  ``device_iterations=N`` makes N optimiser steps (all at the learning rate the optimiser had
+  when the call began, as PopTorch's did);
+* ``devices="auto"`` is 4 replicas (``IPUAccelerator.auto_device_count()``, as
+  lightning-graphcore), or the user's options' ``replicationFactor`` when options are given.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from ..core.options import Options
 from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
-from pytorch_lightning.trainer.states import RunningStage
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -50,13 +54,28 @@ __all__ = ["IPUAccelerator", "IPUStrategy", "IPUPrecision", "LightningError"]
 
 
 # --------------------------------------------------------------------------- accelerator
+_AUTO_DEVICE_COUNT = 4   # lightning-graphcore's: "the minimal unit they are shipped in"
+
+
+class _AutoCount(int):
+    """``auto_device_count()``'s value: an int that remembers it was not asked for."""
+
+
+class _AutoDevices(list):
+    """``get_parallel_devices`` of an automatic count: the strategy's ``devices_auto``."""
+
+
 class IPUAccelerator(Accelerator):
     """Lightning's ``"ipu"`` accelerator: ipukit's virtual IPUs (worker threads).
 
-    ``devices`` is the number of replicas (``Options.replicationFactor``); ``"auto"`` is 1.
-    The torch device of each virtual IPU follows ipukit (CUDA when present, else CPU, or
-    ``Options.deviceMapping``).
+    ``devices`` is the number of replicas (``Options.replicationFactor``); ``"auto"`` (and -1)
+    is :meth:`auto_device_count`, 4 as in lightning-graphcore, unless the strategy's options
+    set the replication factor. The torch device of each virtual IPU follows ipukit (CUDA
+    when present, else CPU, or ``Options.deviceMapping``).
     """
+
+    #: marks ipukit's IPU accelerator classes (kept by reloads of this module)
+    ipukit_virtual_ipus = True
 
     def setup_device(self, device: torch.device) -> None:
         pass
@@ -69,7 +88,11 @@ class IPUAccelerator(Accelerator):
 
     @staticmethod
     def parse_devices(devices: Any) -> int:
-        if devices in ("auto", -1, "-1", None):
+        if isinstance(devices, _AutoCount):
+            return devices
+        if isinstance(devices, str) and devices.strip() in ("auto", "-1") or devices == -1:
+            return IPUAccelerator.auto_device_count()
+        if devices is None:
             return 1
         if isinstance(devices, str) and devices.strip().isdigit():
             devices = int(devices)
@@ -83,11 +106,13 @@ class IPUAccelerator(Accelerator):
 
     @staticmethod
     def get_parallel_devices(devices: int) -> List[torch.device]:
-        return [torch.device("cpu")] * int(devices)
+        chosen = [torch.device("cpu")] * int(devices)
+        return _AutoDevices(chosen) if isinstance(devices, _AutoCount) else chosen
 
     @staticmethod
     def auto_device_count() -> int:
-        return 1
+        """Replicas for ``devices="auto"``: 4, as lightning-graphcore."""
+        return _AutoCount(_AUTO_DEVICE_COUNT)
 
     @staticmethod
     def is_available() -> bool:
@@ -113,8 +138,9 @@ def _unified_precision(precision) -> str:
     key = str(precision)
     if key not in _PRECISION_ALIASES:
         raise LightningError(
-            f"Trainer(accelerator='ipu', precision={precision!r}) is not supported: use one of "
-            f"{list(_PRECISIONS)} (16 means '16-mixed').")
+            f"`Trainer(accelerator='ipu', precision={precision!r})` is not supported. ipukit's "
+            f"IPU strategy runs {list(_PRECISIONS)} (16 means '16-mixed'): use one of them, "
+            "or another accelerator for this precision.")
     return _PRECISION_ALIASES[key]
 
 
@@ -125,7 +151,8 @@ class IPUPrecision(Precision):
     * ``"16-true"``: the LightningModule is converted to half precision; ipukit accumulates its
       gradients and updates its weights in float32 (PopTorch's optimisers), then rounds back.
     * ``"16-mixed"`` (``precision=16``): as Lightning's IPU plugin did, float inputs are cast to
-      half precision; the model keeps its dtype and, as PopTorch 3's default
+      half precision (``strategy.batch_to_device``: float32 and float64 become float16, other
+      dtypes stay); the model keeps its dtype and, as PopTorch 3's default
       (``HalfFloatCastingBehavior.HalfUpcastToFloat``), computes a float32 model on those
       half-rounded inputs. Call ``model.half()`` yourself for half-precision compute.
 
@@ -264,12 +291,58 @@ class IPUStrategy(ParallelStrategy):
         return tensor
 
     @property
-    def replication_factor(self) -> int:
-        """Replicas: ``devices`` (or the user's options' replicationFactor)."""
+    def device_count(self) -> int:
+        """``Trainer(devices=...)`` as a count (1 before the strategy meets a Trainer)."""
         return len(self.parallel_devices) if self.parallel_devices else 1
 
+    @property
+    def devices_auto(self) -> bool:
+        """Whether ``devices`` was ``"auto"`` (then the user's options, if any, decide)."""
+        return isinstance(self.parallel_devices, _AutoDevices)
+
+    @property
+    def replication_factor(self) -> int:
+        """Replicas of the current run (lightning-graphcore's rule).
+
+        After setup, the replication factor of the options of the running stage (training,
+        or validation/test/predict). Before, the user's options' ``replicationFactor``
+        (training options first) when given, else ``devices``; ``devices`` given explicitly
+        also fills in options left at one replica.
+        """
+        built = self._setup.opts
+        if not built:
+            return self._setup.planned_replication_factor()
+        key = STAGE_KEY.get(self._running_stage())
+        opts = built.get(key) or built.get("train") or built.get("validate")
+        return opts.replication_factor
+
+    def _running_stage(self) -> Optional[RunningStage]:
+        module = self.lightning_module
+        try:
+            trainer = None if module is None else module.trainer
+        except RuntimeError:  # the module is not attached to a Trainer
+            trainer = None
+        return None if trainer is None else trainer.state.stage
+
     def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
-        return batch  # ipukit moves each micro-batch to its virtual IPU's device
+        """The precision's input cast only (``"16-mixed"``: float tensors to float16).
+
+        ipukit moves each micro-batch to its virtual IPU's device inside the call.
+        """
+        return self.precision_plugin.convert_input(batch)
+
+    @property
+    def poptorch_models(self) -> Dict[RunningStage, Any]:
+        """The ipukit model (``PoplarExecutor``) of each stage of the current Trainer run.
+
+        Built at setup, as lightning-graphcore: ``fit`` gives ``RunningStage.TRAINING`` and,
+        when it validates, ``VALIDATING`` (and ``SANITY_CHECKING``, the same model);
+        ``validate``/``test``/``predict`` give their stage. Keys are Lightning's
+        ``RunningStage`` and also answer to ``"train"``, ``"validate"``, ``"test"``,
+        ``"predict"``. Extra dataloaders (``dataloader_idx`` > 0) get their own models,
+        which are not listed here. Models compile at their first batch.
+        """
+        return self._steps.poptorch_models
 
     # -- setup (delegated to TrainerSetup) ------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -277,6 +350,7 @@ class IPUStrategy(ParallelStrategy):
         self._setup.prepare(trainer, module)
         self._steps.start()
         super().setup(trainer)
+        self._steps.build(trainer.state.fn == TrainerFn.FITTING, _stages_of(trainer))
         self._steps.guard_logging(module)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -301,9 +375,7 @@ class IPUStrategy(ParallelStrategy):
     # -- steps (delegated to StepBridge) --------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any):
         with self.precision_plugin.train_step_context():
-            out = self._steps.run(RunningStage.TRAINING, args, kwargs)
-        self._steps.account_steps()
-        return out
+            return self._steps.run(RunningStage.TRAINING, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
         stage = self.lightning_module.trainer.state.stage
@@ -375,26 +447,44 @@ class IPUStrategy(ParallelStrategy):
                                    override=True)
 
 
+def _stages_of(trainer: "pl.Trainer") -> List[RunningStage]:
+    """The stages a Trainer run will use (lightning-graphcore's ``poptorch_models`` keys)."""
+    fn = trainer.state.fn
+    if fn == TrainerFn.FITTING:
+        stages = [RunningStage.TRAINING]
+        if trainer.enable_validation:
+            stages.append(RunningStage.VALIDATING)
+            if trainer.num_sanity_val_steps > 0:
+                stages.append(RunningStage.SANITY_CHECKING)
+        return stages
+    return {TrainerFn.VALIDATING: [RunningStage.VALIDATING],
+            TrainerFn.TESTING: [RunningStage.TESTING],
+            TrainerFn.PREDICTING: [RunningStage.PREDICTING]}.get(fn, [])
+
+
 # --------------------------------------------------------------------------- registration
 def _choose_ipu_strategy() -> None:
     """``Trainer(accelerator="ipu")`` without ``strategy=`` gets :class:`IPUStrategy`.
 
     Lightning 2.x has no public hook for an accelerator's default strategy (1.x chose the IPU
     strategy itself), so the connector's choice is wrapped for the IPU accelerator only.
+    The wrapper keeps Lightning's own method as ``_ipukit_original`` and a later import
+    (a reload) wraps that again, never its own wrapper; it tells the accelerator by the
+    ``ipukit_virtual_ipus`` class marker and names the strategy by its registry name, so a
+    reloaded module's classes are the ones used.
     """
     from pytorch_lightning.trainer.connectors import accelerator_connector as connector
 
     cls = connector._AcceleratorConnector
-    if getattr(cls._choose_strategy, "_ipukit", False):
-        return
-    original = cls._choose_strategy
+    current = cls._choose_strategy
+    original = getattr(current, "_ipukit_original", current)
 
     def _choose_strategy(self):
-        if isinstance(getattr(self, "accelerator", None), IPUAccelerator):
-            return IPUStrategy.strategy_name
+        if getattr(getattr(self, "accelerator", None), "ipukit_virtual_ipus", False):
+            return "ipu_strategy"
         return original(self)
 
-    _choose_strategy._ipukit = True
+    _choose_strategy._ipukit_original = original
     cls._choose_strategy = _choose_strategy
 
 

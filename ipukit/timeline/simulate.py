@@ -158,7 +158,7 @@ def play_on_cores(lanes: List[List[Action]], num_stages: int, costs: Dict[str, S
     return walk(lanes, num_stages, costs, transfers, start_time, cores=cores, replicas=replicas)
 
 
-def _host_spans(measured: Timeline) -> Tuple[float, float]:
+def host_spans(measured: Timeline) -> Tuple[float, float]:
     """Host time before the first and after the last device event of a measured call."""
     device = measured.device_events()
     if not device:
@@ -205,7 +205,7 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
         raise ValueError(f"costs: expected one value per stage ({N}) for forward/backward/step")
     if not schedule.training:
         c["backward"], c["step"] = [0.0] * N, [0.0] * N
-    before, after = _host_spans(measured) if host else (0.0, 0.0)
+    before, after = host_spans(measured) if host else (0.0, 0.0)
     samples = meta.get("samples")
     if cores is None:
         tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],

@@ -1,0 +1,135 @@
+"""A machine's cost table, and a call modeled from it (pure data: nothing is run here).
+
+:func:`ipukit.calibrate` measures the table on the learner's machine, each part in
+isolation; :func:`model_call` turns it into the modeled timeline of any schedule over
+any split of the blocks. The model is the one :func:`ipukit.simulate` walks, with the
+costs a real call pays on top of the blocks' compute:
+
+- every pass (forward, backward, or a split backward's half) costs its blocks' compute
+  plus ``per_pass``, the fixed cost of running one action (ipukit's bookkeeping and the
+  stage module's call);
+- an activation or gradient that crosses to another virtual IPU costs ``handoff`` (a
+  worker waking another); stages on the same IPU hand over for free;
+- at most ``cores`` passes run at once (workers beyond the cores wait for one);
+- each optimiser step costs ``step`` on the host, once per iteration, after the flush;
+- a call pays ``host_before`` (splitting the inputs) and ``host_after`` (gathering the
+  outputs) around its passes.
+
+What the table leaves out is said where the model is drawn: interpreter-lock contention
+between workers sharing a core, caches warmed by a neighbouring pass, and the operating
+system's scheduling. A modeled figure is labelled ``modeled`` (``Timeline.modeled``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from ..schedules.build import build
+from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, walk
+from .events import Event, Timeline
+from .kinds import KIND_NAMES
+
+
+@dataclass
+class CostTable:
+    """What each part of a call costs on one machine and device, in seconds."""
+
+    blocks: List[str]
+    forward: List[float]                  #: per block, one micro-batch, alone
+    backward: List[float]                 #: per block (a full backward)
+    per_pass: float = 0.0                 #: fixed cost of one action
+    handoff: float = 0.0                  #: one hand-off between workers
+    step: float = 0.0                     #: one optimiser step of the whole model
+    host_before: float = 0.0              #: a call's set-up before its first pass
+    host_after: float = 0.0               #: a call's gathering after its last pass
+    cores: int = 1                        #: passes that can run at once
+    weight_share: float = 0.5             #: a split backward's weight half, share of B
+    device: str = "cpu"
+    micro_batch: int = 0                  #: the micro-batch size the table was measured at
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostTable":
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def stage_costs(self, stage_blocks: Sequence[Sequence[str]]) -> Dict[str, List[float]]:
+        """Per stage: forward and backward compute (the blocks' sums) plus the pass cost."""
+        index = {b: i for i, b in enumerate(self.blocks)}
+        missing = [b for names in stage_blocks for b in names if b not in index]
+        if missing:
+            raise ValueError(f"stage_costs: blocks {missing} are not in the table "
+                             f"(it has {self.blocks})")
+        fwd = [sum(self.forward[index[b]] for b in names) + self.per_pass
+               for names in stage_blocks]
+        bwd = [sum(self.backward[index[b]] for b in names) + self.per_pass
+               for names in stage_blocks]
+        return {"forward": fwd, "backward": bwd}
+
+
+def even_split(blocks: Sequence[str], stages: int) -> List[List[str]]:
+    """``blocks`` cut into ``stages`` contiguous runs, as evenly by count as they go."""
+    n = len(blocks)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} blocks into {stages} stages")
+    edges = [round(i * n / stages) for i in range(stages + 1)]
+    return [list(blocks[edges[i]:edges[i + 1]]) for i in range(stages)]
+
+
+def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]],
+               micro_batches: int, iterations: int = 1, replicas: int = 1,
+               stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
+               cores: Optional[int] = None) -> Timeline:
+    """The modeled timeline of one call: ``kind`` over ``stage_blocks``, from ``table``.
+
+    ``cores`` defaults to the table's; ``stage_ipus`` to the schedule's placement.
+    """
+    N = len(stage_blocks)
+    schedule = build(kind, N, micro_batches, iterations if "inference" not in kind else 1,
+                     stage_ipus)
+    ipus = list(schedule.stage_ipus)
+    c = table.stage_costs(stage_blocks)
+    training = schedule.training
+    fwd = c["forward"]
+    bwd = c["backward"] if training else [0.0] * N
+    on_ipu = {i: ipus.count(i) for i in set(ipus)}
+    # the executor steps once on the host for every stage; spread over a lane's stages
+    step = [table.step / on_ipu[ipus[s]] if training else 0.0 for s in range(N)]
+    costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step,
+             INPUT_GRAD: [(b - table.per_pass) * (1 - table.weight_share) + table.per_pass
+                          for b in bwd],
+             WEIGHT_GRAD: [(b - table.per_pass) * table.weight_share + table.per_pass
+                           for b in bwd]}
+    transfers = {FORWARD: [table.handoff if s and ipus[s - 1] != ipus[s] else 0.0
+                           for s in range(N)],
+                 BACKWARD: [table.handoff if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0
+                            for s in range(N)]}
+    workers = len(schedule.lanes) * replicas
+    limit = int(cores if cores is not None else table.cores)
+    limit = limit if limit < workers else None     # enough cores: no contention to model
+    start = table.host_before
+    times = walk(schedule.lanes, N, costs, transfers, start, cores=limit, replicas=replicas)
+    events: List[Event] = []
+    if table.host_before > 0:
+        events.append(Event(-1, "host", -1, 0.0, table.host_before, -1, 0, 0, 0))
+    for replica in range(replicas):
+        for lane, lane_times in zip(schedule.lanes, times[replica]):
+            events += [Event(s, KIND_NAMES[k], m, a, b, ipus[s], replica, it, 0)
+                       for (k, s, m, it), (a, b) in zip(lane, lane_times)]
+    end = max((e.end for e in events), default=start)
+    if table.host_after > 0:
+        events.append(Event(-1, "host", -1, end, end + table.host_after, -1, 0,
+                            schedule.iterations - 1, 0))
+    meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": micro_batches,
+            "iterations": schedule.iterations, "replicas": replicas, "stage_ipus": ipus,
+            "stage_blocks": [list(b) for b in stage_blocks], "calibrated": True,
+            "cores": limit, "per_pass": table.per_pass, "handoff": table.handoff}
+    if samples is not None:
+        meta["samples"] = samples
+    return Timeline(events, modeled=True, meta=meta)

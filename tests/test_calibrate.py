@@ -1,0 +1,80 @@
+"""The calibrated cost model: laws it keeps on its own inputs, and calibrate() itself."""
+import pytest
+import torch
+
+import ipukit
+from helpers import StackNet, make_data
+from ipukit.timeline.costs import CostTable, even_split, model_call
+
+
+def table(**kw):
+    base = dict(blocks=["a", "b", "c", "d"], forward=[1.0, 2.0, 3.0, 4.0],
+                backward=[2.0, 4.0, 6.0, 8.0], per_pass=0.5, handoff=0.25, step=0.75,
+                host_before=0.125, host_after=0.0625, cores=8)
+    base.update(kw)
+    return CostTable(**base)
+
+
+def test_one_stage_one_micro_batch_is_the_tables_sum():
+    t = table()
+    tl = model_call(t, "1f1b", [["a", "b"]], micro_batches=1)
+    compute = (1 + 2) + 0.5 + (2 + 4) + 0.5
+    assert tl.wall_time == pytest.approx(0.125 + compute + 0.75 + 0.0625)
+    assert tl.modeled and tl.meta["calibrated"]
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_each_extra_micro_batch_on_one_stage_adds_one_forward_and_one_backward(m):
+    t = table()
+    one = model_call(t, "gpipe", [["a", "b", "c", "d"]], micro_batches=m).wall_time
+    more = model_call(t, "gpipe", [["a", "b", "c", "d"]], micro_batches=m + 1).wall_time
+    assert more - one == pytest.approx((10 + 0.5) + (20 + 0.5))
+
+
+def test_a_handoff_is_paid_only_between_ipus():
+    t = table(per_pass=0.0, step=0.0, host_before=0.0, host_after=0.0)
+    stages = [["a"], ["b"]]
+    apart = model_call(t, "gpipe", stages, 1, stage_ipus=[0, 1]).wall_time
+    together = model_call(t, "gpipe", stages, 1, stage_ipus=[0, 0]).wall_time
+    assert apart - together == pytest.approx(2 * 0.25)   # forward over, gradient back
+
+
+def test_fewer_cores_than_workers_serialise_the_passes():
+    t = table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0)
+    stages = even_split(t.blocks, 2)
+    free = model_call(t, "1f1b", stages, 8, cores=2).wall_time
+    one = model_call(t, "1f1b", stages, 8, cores=1).wall_time
+    assert one == pytest.approx(8 * (10 + 20))           # every pass, one after another
+    assert free < one
+
+
+def test_even_split_and_bad_splits():
+    assert even_split(list("abcd"), 2) == [["a", "b"], ["c", "d"]]
+    assert even_split(list("abcde"), 3) == [["a", "b"], ["c"], ["d", "e"]]
+    with pytest.raises(ValueError):
+        even_split(list("ab"), 3)
+    with pytest.raises(ValueError, match="not in the table"):
+        table().stage_costs([["z"]])
+
+
+def test_the_table_round_trips_through_json():
+    t = table()
+    assert CostTable.from_dict(t.to_dict()) == t
+
+
+def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
+    torch.manual_seed(0)
+    net = StackNet(num_blocks=2, width=16)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x, y = make_data(8, width=16)
+    t = ipukit.calibrate(net, (x, y), repeats=3, cache_dir=str(tmp_path))
+    assert t.blocks == ["b0", "b1"]
+    assert all(v > 0 for v in t.forward + t.backward)
+    assert t.per_pass >= 0 and t.handoff > 0 and t.cores >= 1 and t.micro_batch == 8
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert ipukit.calibrate(net, (x, y), repeats=3, cache_dir=str(tmp_path)) is t
+    assert list(tmp_path.glob("calibration-*.json"))
+    other = ipukit.calibrate(net, make_data(4, width=16), repeats=3)
+    assert other is not t and other.micro_batch == 4
+    tl = model_call(t, "1f1b", [["b0"], ["b1"]], micro_batches=4, samples=32)
+    assert tl.modeled and tl.throughput() > 0
