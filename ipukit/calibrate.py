@@ -21,6 +21,7 @@ them as JSON files (e.g. ``~/.cache/ipukit``) for the next session.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import statistics
@@ -76,8 +77,9 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float
     if optimizer is None:
         opt = torch.optim.SGD(params, lr=0.0)
     else:
+        accepted = inspect.signature(type(optimizer)).parameters
         opt = type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items()
-                                          if k != "params"})
+                                          if k in accepted and k != "params"})
     spans = []
     for _ in range(repeats + 1):
         t = time.perf_counter()

@@ -1,0 +1,193 @@
+"""The calibrated schedule model against the measurement, call by call.
+
+    .venv/bin/python -m benchmarks.calibration                # → benchmarks/calibration.md / .json
+    .venv/bin/python -m benchmarks.calibration --smoke --out /tmp/bench
+
+For the tutorial convnet (4 blocks, micro-batch 40) and the example ViT (8 encoder
+layers as blocks, micro-batch 32), :func:`ipukit.calibrate` measures the cost table once,
+each part alone (blocks one at a time, the per-pass gap, a hand-off ping-pong, the
+optimiser's step on copies); then every configuration below is **measured** (median of
+``calls`` calls after a warm-up) and **modeled** from that table alone
+(:func:`ipukit.calibrate.model_call`), never from the call it predicts:
+
+- sharded on 1, 2 and 4 IPUs;
+- GPipe, 1F1B and ZB-H1 on 2 and 4 IPUs (one stage per IPU, an even split of the blocks);
+- interleaved 1F1B, looped BFS, ZBV and DualPipeV on 2 IPUs (four stages, two per IPU,
+  placed in a loop or a V).
+
+Each row gives the time per call measured and modeled, their ratio (goal: within
+±15 %), and the busy share of each IPU measured and modeled (goal: within ±10 points).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+
+import torch  # noqa: E402
+
+import ipukit  # noqa: E402
+from ipukit.balance import discover_blocks  # noqa: E402
+from ipukit.calibrate import calibrate, even_split, model_call  # noqa: E402
+from ipukit.schedules import placement  # noqa: E402
+from ipukit.timeline.simulate import available_cores  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _convnet():
+    from ipukit.examples.mnist import Network, TrainingModelWithLoss
+
+    return TrainingModelWithLoss(Network()), 40
+
+
+def _vit():
+    from ipukit.examples.vit import ViT
+    from ipukit.ipuconfig import IPUConfig
+
+    vit = ViT(num_layers=8)
+    vit.parallelize(IPUConfig(layers_per_ipu=[1] * 8, ipus_per_replica=8))
+    return vit, 32
+
+
+MODELS = {"convnet": _convnet, "vit": _vit}
+
+
+def configs(blocks: List[str]):
+    """(label, kind, stage blocks, stage IPUs) of every configuration measured."""
+    out = []
+    for p in (1, 2, 4):
+        if p <= len(blocks):
+            stages = even_split(blocks, p)
+            out.append((f"sharded, {p} IPU{'s' * (p > 1)}", "sharded", stages, list(range(p))))
+    for kind in ("gpipe", "1f1b", "zb-h1"):
+        for p in (2, 4):
+            if p <= len(blocks):
+                out.append((f"{kind}, {p} IPUs", kind, even_split(blocks, p), list(range(p))))
+    for kind in ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"):
+        if len(blocks) >= 4:
+            out.append((f"{kind}, 2 IPUs × 2 stages", kind, even_split(blocks, 4),
+                        placement(kind, 4, 2)))
+    return out
+
+
+def _options(kind: str, stages, ipus, ga: int, di: int) -> ipukit.Options:
+    opts = ipukit.Options().deviceIterations(di)
+    opts.Training.gradientAccumulation(ga)
+    cls = ipukit.ShardedExecution if kind == "sharded" else ipukit.PipelinedExecution
+    opts.setExecutionStrategy(cls(*[ipukit.Stage(*names).ipu(ipu)
+                                    for names, ipu in zip(stages, ipus)]))
+    if kind != "sharded":
+        opts.pipelineSchedule(kind)
+    return opts
+
+
+def _busy(tl) -> List[float]:
+    per = tl.utilisation()["per_ipu"]
+    return [per[k] for k in sorted(per)]
+
+
+def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 5,
+        smoke: bool = False) -> Dict:
+    rows = []
+    tables = {}
+    for name in models:
+        torch.manual_seed(0)
+        net, mb = MODELS[name]()
+        x = torch.randn(mb, 1, 28, 28)
+        y = torch.randint(0, 10, (mb,))
+        blocks = discover_blocks(net, (x, y))
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+        t0 = time.perf_counter()
+        table = calibrate(net, (x, y), blocks, optimizer=optimizer, cache=False)
+        cal_seconds = time.perf_counter() - t0
+        tables[name] = dict(table.to_dict(), calibration_seconds=cal_seconds)
+        n = mb * ga * di
+        X = torch.randn(n, 1, 28, 28)
+        Y = torch.randint(0, 10, (n,))
+        for label, kind, stages, ipus in configs(blocks)[: 3 if smoke else None]:
+            opts = _options(kind, stages, ipus, ga, di)
+            model = ipukit.trainingModel(net, opts,
+                                         optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4))
+            try:
+                model(X, Y)
+                walls, tls = [], []
+                for _ in range(calls):
+                    model(X, Y)
+                    tl = model.getTimeline()
+                    walls.append(tl.wall_time)
+                    tls.append(tl)
+            finally:
+                model.destroy()
+            measured = statistics.median(walls)
+            typical = tls[walls.index(sorted(walls)[len(walls) // 2])]
+            modeled_tl = model_call(table, kind, stages, ga, iterations=di, stage_ipus=ipus,
+                                    samples=n)
+            busy_m, busy_p = _busy(typical), _busy(modeled_tl)
+            rows.append({"model": name, "config": label, "kind": kind,
+                         "measured_ms": measured * 1e3, "modeled_ms": modeled_tl.wall_time * 1e3,
+                         "ratio": modeled_tl.wall_time / measured,
+                         "busy_measured": busy_m, "busy_modeled": busy_p,
+                         "busy_gap_points": max(abs(a - b) for a, b in zip(busy_m, busy_p)) * 100
+                         if len(busy_m) == len(busy_p) else None})
+            print(f"{name:8s} {label:32s} measured {measured * 1e3:8.1f} ms  modeled "
+                  f"{modeled_tl.wall_time * 1e3:8.1f} ms  ratio {rows[-1]['ratio']:.2f}", flush=True)
+    return {"tables": tables, "rows": rows, "ga": ga, "di": di, "calls": calls,
+            "cores": available_cores(),
+            "torch": torch.__version__, "load": os.getloadavg()}
+
+
+def report(result: Dict) -> str:
+    lines = [f"# Calibrated model vs measurement ({result['cores']} cores, torch "
+             f"{result['torch']}, GA {result['ga']}, DI {result['di']}, median of "
+             f"{result['calls']} calls; load before: {result['load'][0]:.2f})", "",
+             "| model | configuration | measured ms/call | modeled ms/call | model ÷ measured "
+             "| busy per IPU measured | busy per IPU modeled | largest busy gap (points) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ok = "" if abs(r["ratio"] - 1) <= 0.15 else " ✗"
+        gap = "—" if r["busy_gap_points"] is None else f"{r['busy_gap_points']:.0f}"
+        lines.append(
+            f"| {r['model']} | {r['config']} | {r['measured_ms']:.1f} | {r['modeled_ms']:.1f} "
+            f"| {r['ratio']:.2f}{ok} | {', '.join(f'{b:.0%}' for b in r['busy_measured'])} "
+            f"| {', '.join(f'{b:.0%}' for b in r['busy_modeled'])} | {gap} |")
+    inside = sum(abs(r["ratio"] - 1) <= 0.15 for r in result["rows"])
+    lines += ["", f"{inside} of {len(result['rows'])} rows within ±15 %.", "",
+              "Cost tables (seconds): " + "; ".join(
+                  f"{k}: per pass {v['per_pass'] * 1e6:.0f} µs, hand-off {v['handoff'] * 1e6:.0f} µs, "
+                  f"step {v['step'] * 1e3:.2f} ms, calibration {v['calibration_seconds']:.2f} s"
+                  for k, v in result["tables"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=HERE)
+    ap.add_argument("--models", default="convnet,vit")
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.smoke and os.path.abspath(args.out) == HERE:
+        ap.error("--smoke needs --out (it never writes over the recorded results)")
+    torch.set_num_threads(1)
+    result = run(tuple(args.models.split(",")), calls=2 if args.smoke else args.calls,
+                 smoke=args.smoke)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "calibration.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(args.out, "calibration.md"), "w") as f:
+        f.write(report(result))
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
