@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 from .errors import FrozenOptionsError, OptionsError, UnknownOptionError
 
@@ -84,6 +84,12 @@ class _OptionGroup:
             "(PopTorch's names, plus ipukit's additions).")
 
     def __setattr__(self, name: str, value: Any) -> None:
+        prop = getattr(type(self), name, None)
+        if isinstance(prop, property) and prop.fset is not None:
+            # PopTorch's attribute form of an option (its setter validates and checks freezing)
+            self._check_not_frozen(f"{name} = {value!r}")
+            prop.fset(self, value)
+            return
         if name.startswith("_") or name in self.__dict__ or not self._sealed:
             self._check_not_frozen(f"{name} = {value!r}")
             object.__setattr__(self, name, value)
@@ -92,12 +98,60 @@ class _OptionGroup:
             f"{self._path} has no attribute {name!r} to assign; use the setter methods "
             f"(for example {self._path}.deviceIterations(4)).")
 
+    # -- copies and rollback ---------------------------------------------------
     def __deepcopy__(self, memo):
+        """An independent, unfrozen copy (PopTorch's ``clone()`` and ``copy.deepcopy``)."""
         clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
         for key, value in self.__dict__.items():
             object.__setattr__(clone, key, copy.deepcopy(value, memo))
         object.__setattr__(clone, "_frozen", False)
         return clone
+
+    def __copy__(self):
+        """An independent copy that stays frozen when these options are frozen.
+
+        PopTorch's ``copy.copy`` shared its option values with the original; here
+        the copy owns its values (changing one never changes the other) and, like
+        PopTorch's, a copy of frozen options is frozen (``clone()`` unfreezes).
+        """
+        clone = copy.deepcopy(self)
+        if self._frozen:
+            clone.freeze()
+        return clone
+
+    def _snapshot(self) -> dict:
+        """This group's state (groups recursively), for :meth:`_restore` after a failed update."""
+        return {key: (value, value._snapshot()) if isinstance(value, _OptionGroup)
+                else (value, copy.deepcopy(value))
+                for key, value in self.__dict__.items()}
+
+    def _restore(self, snapshot: dict) -> None:
+        """Put back a :meth:`_snapshot`; sub-groups keep their identity."""
+        for key in [k for k in self.__dict__ if k not in snapshot]:
+            object.__delattr__(self, key)
+        for key, (value, state) in snapshot.items():
+            if isinstance(value, _OptionGroup):
+                value._restore(state)
+                object.__setattr__(self, key, value)
+            else:
+                object.__setattr__(self, key, state)
+
+    # -- PopTorch's key=value form ---------------------------------------------
+    def _repr_items(self) -> List[Tuple[str, Any]]:
+        """(name, value) pairs of ``repr``: public values, then recorded setters, then groups."""
+        values = [(k, v) for k, v in self.__dict__.items()
+                  if not k.startswith("_") and not isinstance(v, _OptionGroup)]
+        values += [(k, getattr(self, k)) for k in sorted(dir(type(self)))
+                   if isinstance(getattr(type(self), k), property)
+                   and getattr(type(self), k).fset is not None]
+        values += list(self._ignored.items())
+        groups = sorted((k, v) for k, v in self.__dict__.items() if isinstance(v, _OptionGroup))
+        return values + groups
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in self._repr_items())
+        return f"{type(self).__name__}({body})"
 
 
 def _jsonable(value: Any) -> Any:

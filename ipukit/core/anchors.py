@@ -13,8 +13,9 @@ wrapped module (``named_parameters()`` names):
   iteration (device iteration).
 
 Values are returned as a model output would be under the anchor's output mode
-(by default the model's own): ``Final`` the last value, ``All`` every value
-concatenated on dimension 0, ``EveryN`` every N-th, ``Sum`` their sum.
+(by default the model's own, with the model's ``EveryN`` period): ``Final`` the
+last value, ``All`` every value concatenated on dimension 0, ``EveryN`` every
+N-th, ``Sum`` their sum.
 """
 from __future__ import annotations
 
@@ -50,11 +51,30 @@ def tensor_names(module: torch.nn.Module, training: bool) -> List[str]:
     return [GRADIENT + n for n in names] + [UPDATED + n for n in names]
 
 
-def check(anchors: Sequence[Anchor], module: torch.nn.Module, training: bool) -> None:
-    """Refuse anchors the model cannot provide, naming what it can."""
+def rows(anchor: Anchor, batching: microbatch.Batching) -> int:
+    """How many values of ``anchor`` one call records per replica: one per micro-batch
+    (gradients) or one per iteration (updated weights)."""
+    return batching.steps if anchor.long_name.startswith(GRADIENT) else batching.device_iterations
+
+
+def mode_of(anchor: Anchor, default_mode: OutputMode, default_period: int = 1
+            ) -> Tuple[OutputMode, int]:
+    """The anchor's output mode and period: its own, else the model's (as PopTorch does)."""
+    if anchor.output_mode is None:
+        return default_mode, default_period if default_mode == OutputMode.EveryN else 1
+    return anchor.output_mode, anchor.output_return_period
+
+
+def check(anchors: Sequence[Anchor], module: torch.nn.Module, training: bool,
+          batching: Optional[microbatch.Batching] = None,
+          default_mode: Optional[OutputMode] = None, default_period: int = 1) -> None:
+    """Refuse anchors the model cannot provide, naming what it can; with ``batching``,
+    also an ``EveryN`` period that would return no value of a call."""
     available = tensor_names(module, training)
     for anchor in anchors:
         if anchor.long_name in available:
+            if batching is not None:
+                _check_period(anchor, batching, default_mode, default_period)
             continue
         if not training:
             why = ("an inference model has no gradients or weight updates to anchor; "
@@ -67,6 +87,23 @@ def check(anchors: Sequence[Anchor], module: torch.nn.Module, training: bool) ->
                 "to observe an activation, return it from forward()")
         raise OptionsError(f"Options.anchorTensor({anchor.short_name!r}, "
                            f"{anchor.long_name!r}): the model has no such tensor: {why}.")
+
+
+def _check_period(anchor: Anchor, batching: microbatch.Batching,
+                  default_mode: Optional[OutputMode], default_period: int) -> None:
+    if anchor.output_mode is None and default_mode is None:
+        return
+    mode, period = mode_of(anchor, default_mode, default_period)
+    count = rows(anchor, batching)
+    if mode == OutputMode.EveryN and count % period != 0:
+        what = ("gradient: one per micro-batch, deviceIterations × gradientAccumulation"
+                if anchor.long_name.startswith(GRADIENT)
+                else "updated weight: one per iteration, deviceIterations")
+        raise OptionsError(
+            f"Options.anchorTensor({anchor.short_name!r}, {anchor.long_name!r}, "
+            f"OutputMode.EveryN, {period}): the period must divide the values a call "
+            f"records for this {what} = {count}. Choose a divisor of {count}, or another "
+            "output mode.")
 
 
 class AnchorRecorder:
@@ -104,18 +141,28 @@ class AnchorRecorder:
         for name, p in self.updated:
             self.per_iteration[iteration][name] = p.detach().to("cpu", copy=True)
 
-    def results(self, default_mode: OutputMode, batching: microbatch.Batching
-                ) -> Dict[str, torch.Tensor]:
-        """Each anchor's value for the call, shaped by its output mode."""
+    def results(self, default_mode: OutputMode, batching: microbatch.Batching,
+                default_period: int = 1) -> Dict[str, torch.Tensor]:
+        """Each anchor's value for the call, shaped by its output mode.
+
+        An anchor without a mode of its own takes the model's ``default_mode``
+        and, under ``EveryN``, the model's ``default_period`` (PopTorch's rule).
+        """
         by_iteration = microbatch.Batching(batching.device_iterations, 1, 1)
         out = {}
         for anchor in self.anchors:
-            mode = default_mode if anchor.output_mode is None else anchor.output_mode
+            mode, period = mode_of(anchor, default_mode, default_period)
             if anchor.long_name.startswith(GRADIENT):
-                rows, shape = self.per_micro_batch, batching
+                values, shape = self.per_micro_batch, batching
             else:
-                rows, shape = self.per_iteration, by_iteration
-            column = [[row[anchor.long_name]] for row in rows]
-            out[anchor.short_name] = microbatch.gather(column, mode,
-                                                       anchor.output_return_period, shape)[0]
+                values, shape = self.per_iteration, by_iteration
+            if mode == OutputMode.EveryN and not microbatch.returned_steps(mode, period,
+                                                                           shape.steps):
+                # a period longer than the call (check() refuses it before the call when
+                # given the batching): no value, as an empty batch of them
+                sample = values[-1][anchor.long_name]
+                out[anchor.short_name] = sample.new_empty((0, *sample.shape))
+                continue
+            column = [[row[anchor.long_name]] for row in values]
+            out[anchor.short_name] = microbatch.gather(column, mode, period, shape)[0]
         return out

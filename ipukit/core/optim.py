@@ -10,11 +10,20 @@ state (the momentum ``*_accum_type`` arguments are recorded, not emulated).
 ``max_grad_norm`` clips the global gradient norm before each step.
 ``velocity_scaling`` only chose an IPU number format and changes nothing.
 Plain ``torch.optim`` optimisers work with ipukit models too.
+
+As in PopTorch, every optimiser here is an :class:`Optimizer` (PopTorch's base
+class, usable as a base for your own: ``class Mine(ipukit.optim.Optimizer,
+torch.optim.SGD)``): its ``state_dict()`` carries ``"ipu_state"`` (the
+optimiser's state tensors under PopART's names) and ``"ipu_param"`` (its
+hyperparameters per parameter) beside torch's entries, and ``load_state_dict``
+accepts only such a dictionary. Each has ``variable_attrs``
+(:class:`VariableAttributes`).
 """
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -32,20 +41,361 @@ def _split(kwargs: Dict[str, Any]):
     return torch_kwargs, ipu
 
 
-class _IpuArguments:
+class VariableAttributes:
+    """Which of an optimiser's attributes are variable and which constant (PopTorch's class).
+
+    Every PopTorch optimiser has one as ``optimizer.variable_attrs``: the
+    arguments given to the constructor start variable, the others constant;
+    ``markAsConstant`` / ``markAsVariable`` change that for the attributes the
+    optimiser has (its ``defaults`` and ``loss_scaling``). PopTorch compiled
+    constants into the program; ipukit compiles no optimiser, so in ipukit every
+    attribute can change between calls (``setOptimizer``) and the marks are kept
+    for code that reads them.
+
+    >>> opt = ipukit.optim.SGD(params, lr=0.01)
+    >>> opt.variable_attrs.isConstant("momentum")
+    True
+    """
+
+    def __init__(self, variable_attributes: List[str], allowed_attributes: List[str]) -> None:
+        self._variable_attributes = list(variable_attributes)
+        self._allowed_attributes = list(allowed_attributes)
+
+    def isConstant(self, attr: str) -> bool:  # noqa: N802 - PopTorch's name
+        """True unless ``attr`` is marked as variable."""
+        return attr not in self._variable_attributes
+
+    def _check(self, call: str, attr: str) -> None:
+        if attr not in self._allowed_attributes:
+            raise OptionsError(
+                f"Unknown attribute {attr}, allowed values: {self._allowed_attributes}. "
+                f"variable_attrs.{call}({attr!r}) names one of this optimiser's attributes "
+                "(its defaults, or loss_scaling).")
+
+    def markAsConstant(self, attr: str) -> None:  # noqa: N802
+        """Mark ``attr`` (one of this optimiser's attributes) as constant."""
+        self._check("markAsConstant", attr)
+        self._variable_attributes = [a for a in self._variable_attributes if a != attr]
+
+    def markAsVariable(self, attr: str) -> None:  # noqa: N802
+        """Mark ``attr`` (one of this optimiser's attributes) as variable."""
+        self._check("markAsVariable", attr)
+        if attr not in self._variable_attributes:
+            self._variable_attributes.append(attr)
+
+    def __repr__(self) -> str:
+        return (f"VariableAttributes(variable={self._variable_attributes}, "
+                f"allowed={self._allowed_attributes})")
+
+
+#: torch's per-parameter state keys -> PopART's prefixes in ``"ipu_state"``
+#: (``Accl1___<parameter>`` is Adam's first moment, as PopTorch named it); each
+#: optimiser class may give its own table (``_ipu_state_prefixes``).
+_ADAM_STATE = {"exp_avg": "Accl1", "exp_avg_sq": "Accl2", "max_exp_avg_sq": "Accl3",
+               "step": "Step"}
+_RMSPROP_STATE = {"square_avg": "Accl1", "grad_avg": "Accl2", "momentum_buffer": "Accl3",
+                  "step": "Step"}
+_SGD_STATE = {"momentum_buffer": "Accl1"}
+#: hyperparameters of a param group -> PopART's names in ``"ipu_param"``
+#: (``learningRate___specific___<parameter>``); betas give beta1 and beta2.
+_PARAM_NAMES = {"lr": "learningRate", "weight_decay": "weightDecay", "momentum": "momentum",
+                "dampening": "dampening", "eps": "eps", "alpha": "alpha",
+                "max_weight_norm": "maxWeightNorm", "betas": ("beta1", "beta2")}
+_LOSS_SCALING = "lossScaling_FLOAT"
+
+
+class Optimizer:
+    """PopTorch's base class of its optimisers (``poptorch.optim.Optimizer``).
+
+    Mixed in before a ``torch.optim`` optimiser: ``class Mine(ipukit.optim.Optimizer,
+    torch.optim.SGD)``. ``state_dict()`` adds to torch's entries ``"ipu_state"``
+    (each state tensor, named ``<PopART prefix>___<parameter>``, e.g.
+    ``Accl1___fc.weight``) and ``"ipu_param"`` (each hyperparameter per
+    parameter, e.g. ``learningRate___specific___fc.weight``, and
+    ``lossScaling_FLOAT``); both are ``None`` until the optimiser has state or
+    knows its parameters' names (:meth:`bind_parameter_names`). ``load_state_dict``
+    accepts only such a dictionary, as PopTorch did: it loads torch's entries,
+    then the ``"ipu_state"`` and ``"ipu_param"`` values over them (so an edited
+    value takes effect). Parameters are named by their position in the
+    optimiser until their names are known.
+    """
+
+    _ipu_state_prefixes: Dict[str, str] = _ADAM_STATE
+
+    def __init__(self, *args, **kwargs) -> None:
+        if args or kwargs:  # class Mine(Optimizer, torch.optim.SGD): super().__init__(params, ...)
+            super().__init__(*args, **kwargs)
+        self._reset_ipu()
+
+    def _reset_ipu(self) -> None:
+        self._ipu_names: Optional[List[str]] = None
+        self._ipu_pending: Optional[Tuple[dict, dict]] = None
+        self._ipu_used = False  # stepped once: PopTorch's state dict had IPU state from then on
+        # PopTorch's flags: an ipukit optimiser's state lives in one place, so
+        # they only say whether a state dict was loaded since the last use
+        self.ipu_state_is_dirty = False
+        self.host_state_is_dirty = False
+
+    # -- PopTorch's interface -------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return self.get_state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.set_state_dict(state_dict)
+
+    def get_state_dict(self) -> Dict[str, Any]:
+        """torch's state dict plus ``"ipu_state"`` and ``"ipu_param"``."""
+        ipu_state, ipu_param = self._ipu_entries()
+        return {"ipu_state": ipu_state, "ipu_param": ipu_param,
+                **torch.optim.Optimizer.state_dict(self)}
+
+    def set_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load a state dict from :meth:`get_state_dict`; a failed load changes nothing."""
+        if not state:
+            raise OptionsError(
+                "Cannot load optimizer state dictionary because it is empty. Pass the "
+                "dictionary optimizer.state_dict() returned.")
+        if not isinstance(state, dict) or "ipu_state" not in state or "ipu_param" not in state:
+            raise OptionsError(
+                "Only IPU optimizer states can be loaded onto the IPU. This dictionary has no "
+                "\"ipu_state\" and \"ipu_param\" entries: it comes from a torch.optim "
+                "optimiser (or was saved before ipukit added them). Load it into that "
+                "torch.optim optimiser and pass that one to ipukit.trainingModel (ipukit runs "
+                "torch.optim optimisers unchanged), or save the state with this optimiser's "
+                "state_dict().")
+        ipu_state, ipu_param = state["ipu_state"] or {}, state["ipu_param"] or {}
+        for name, entries in (("ipu_state", ipu_state), ("ipu_param", ipu_param)):
+            if not isinstance(entries, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (torch.Tensor, int, float))
+                    for k, v in entries.items()):
+                raise OptionsError(
+                    f"Optimizer.load_state_dict: state_dict[{name!r}] must map names to "
+                    "tensors, as optimizer.state_dict() returns it.")
+        self._group_values(ipu_param)  # refuse conflicting values before changing anything
+        scaling = ipu_param.get(_LOSS_SCALING)
+        if scaling is not None and not 0 < float(scaling) < math.inf:
+            raise OptionsError(f"Optimizer.load_state_dict: {_LOSS_SCALING}={float(scaling)} "
+                               "must be a positive number.")
+        backup = copy.deepcopy(torch.optim.Optimizer.state_dict(self))
+        arguments = dict(getattr(self, "ipu_arguments", None) or {})
+        try:
+            torch.optim.Optimizer.load_state_dict(self, {k: v for k, v in state.items()
+                                                         if k not in ("ipu_state", "ipu_param")})
+            unresolved = self._apply_ipu(ipu_state, ipu_param)
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            torch.optim.Optimizer.load_state_dict(self, backup)  # a failed load changes nothing
+            if hasattr(self, "ipu_arguments"):
+                self.ipu_arguments = arguments
+            if isinstance(exc, OptionsError):
+                raise
+            raise OptionsError(f"Optimizer.load_state_dict: {exc} (the dictionary must come "
+                               "from this kind of optimiser over the same parameter groups, "
+                               "as optimizer.state_dict() returns it).") from exc
+        # entries named after parameters this optimiser cannot name yet: applied once a
+        # model names them (bind_parameter_names), as PopTorch uploaded them at compile
+        self._ipu_pending = unresolved if getattr(self, "_ipu_names", None) is None and (
+            unresolved[0] or unresolved[1]) else None
+        self.ipu_state_is_dirty = True
+        self.host_state_is_dirty = False
+
+    def has_state(self) -> bool:
+        """True when ``state_dict()`` carries IPU state (``"ipu_state"`` and ``"ipu_param"``)."""
+        ipu_state, ipu_param = self._ipu_entries()
+        return ipu_state is not None and ipu_param is not None
+
+    def step(self, *args, **kwargs):
+        self._ipu_used = True
+        return super().step(*args, **kwargs)
+
+    def __getstate__(self):
+        # torch.optim keeps only defaults, state and param_groups; copies and pickles
+        # keep the parameters' names and PopTorch's flags too
+        state = super().__getstate__()
+        for name in ("_ipu_names", "_ipu_pending", "_ipu_used", "ipu_state_is_dirty",
+                     "host_state_is_dirty"):
+            if name in self.__dict__:
+                state[name] = self.__dict__[name]
+        return state
+
+    # -- ipukit: naming -----------------------------------------------------------------
+    def bind_parameter_names(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]]
+                             ) -> None:
+        """Name this optimiser's parameters (a model's ``named_parameters()``) in
+        ``"ipu_state"`` / ``"ipu_param"``, as PopTorch did once the model was compiled;
+        values loaded before the names were known are applied now."""
+        by_id = {id(p): n for n, p in named_parameters}
+        params = self._flat_params()
+        self._ipu_names = [by_id.get(id(p), str(i)) for i, p in enumerate(params)]
+        pending, self._ipu_pending = getattr(self, "_ipu_pending", None), None
+        if pending is not None:
+            self._group_values(pending[1])
+            self._apply_ipu(*pending)
+
+    def _flat_params(self) -> List[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _names(self) -> List[str]:
+        names = getattr(self, "_ipu_names", None)
+        params = self._flat_params()
+        if names is None or len(names) != len(params):
+            return [str(i) for i in range(len(params))]
+        return list(names)
+
+    def _ipu_entries(self):
+        if getattr(self, "_ipu_names", None) is None and not self.state \
+                and not getattr(self, "_ipu_used", False):
+            return None, None
+        ipu_state: Dict[str, torch.Tensor] = {}
+        ipu_param: Dict[str, torch.Tensor] = {}
+        params = self._flat_params()
+        names = dict(zip(map(id, params), self._names()))
+        for group in self.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                for key, value in self.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        value = value.detach().clone()
+                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                        value = torch.tensor(value)
+                    else:
+                        continue
+                    ipu_state[f"{self._ipu_state_prefixes.get(key, key)}___{name}"] = value
+                for key, popart in _PARAM_NAMES.items():
+                    value = group.get(key)
+                    if key == "betas" and isinstance(value, (tuple, list)):
+                        for part, beta in zip(popart, value):
+                            ipu_param[f"{part}___specific___{name}"] = torch.tensor(float(beta))
+                    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                        ipu_param[f"{popart}___specific___{name}"] = torch.tensor(float(value))
+        ipu_param[_LOSS_SCALING] = torch.tensor(float(self._loss_scaling()))
+        return ipu_state, ipu_param
+
+    def _loss_scaling(self) -> float:
+        return float((getattr(self, "ipu_arguments", None) or {}).get("loss_scaling", 1.0))
+
+    def _group_values(self, ipu_param: dict) -> Dict[Tuple[int, str], float]:
+        """``ipu_param``'s hyperparameters per (group, key); conflicting values in one group
+        are refused (ipukit's hyperparameters are per param group, as torch's)."""
+        names = self._names()
+        params = self._flat_params()
+        group_of = {}
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                group_of[id(p)] = g
+        by_name = {n: group_of[id(p)] for n, p in zip(names, params)}
+        wanted: Dict[Tuple[int, str], Tuple[float, str]] = {}
+        for key, value in ipu_param.items():
+            hyper, sep, name = key.partition("___specific___")
+            if not sep or name not in by_name:
+                continue
+            target = next(((k, i) for k, popart in _PARAM_NAMES.items()
+                           for i, n in enumerate(popart if isinstance(popart, tuple) else (popart,))
+                           if n == hyper), None)
+            if target is None:
+                continue
+            slot = (by_name[name], f"{target[0]}#{target[1]}")
+            number = float(value)
+            if slot in wanted and wanted[slot][0] != number:
+                raise OptionsError(
+                    f"Optimizer.load_state_dict: \"ipu_param\" gives {hyper} = {number} for "
+                    f"{name} and {wanted[slot][0]} for {wanted[slot][1]}, which are in one param "
+                    "group; ipukit's hyperparameters are per param group, as torch's: put "
+                    "parameters that need their own values in their own groups.")
+            wanted[slot] = (number, name)
+        return {slot: v for slot, (v, _) in wanted.items()}
+
+    def _apply_ipu(self, ipu_state: dict, ipu_param: dict) -> Tuple[dict, dict]:
+        """Write loaded ``"ipu_state"`` / ``"ipu_param"`` values over torch's state;
+        returns the entries naming no parameter of this optimiser."""
+        params = dict(zip(self._names(), self._flat_params()))
+        slots = {prefix: key for key, prefix in self._ipu_state_prefixes.items()}
+        left_state = {k: v for k, v in ipu_state.items() if k.rpartition("___")[2] not in params}
+        left_param = {k: v for k, v in ipu_param.items()
+                      if "___specific___" in k and k.partition("___specific___")[2] not in params}
+        for key, value in ipu_state.items():
+            prefix, _, name = key.rpartition("___")
+            p = params.get(name)
+            if p is None:
+                continue
+            state = self.state[p]
+            slot = slots.get(prefix, prefix)
+            old = state.get(slot)
+            value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            if isinstance(old, torch.Tensor):
+                with torch.no_grad():
+                    old.copy_(value)
+            elif isinstance(old, (int, float)):
+                state[slot] = type(old)(value.item())
+            else:
+                state[slot] = value.detach().clone() if slot == "step" else \
+                    value.detach().to(p.device, copy=True)
+        for (g, slot), value in self._group_values(ipu_param).items():
+            key, index = slot.split("#")
+            group = self.param_groups[g]
+            if key == "betas":
+                betas = list(group["betas"])
+                if not _same(betas[int(index)], value):
+                    betas[int(index)] = value
+                    group["betas"] = tuple(betas)
+            elif key in group and not _same(group[key], value):
+                group[key] = value
+        scaling = ipu_param.get(_LOSS_SCALING)
+        if scaling is not None and hasattr(self, "ipu_arguments") \
+                and not _same(self._loss_scaling(), float(scaling)):
+            self.ipu_arguments["loss_scaling"] = float(scaling)
+        return left_state, left_param
+
+
+def _same(current: Any, loaded: float) -> bool:
+    """Whether a loaded hyperparameter is the current one (``"ipu_param"`` holds float32
+    tensors: a value read back unchanged keeps its full precision)."""
+    if isinstance(current, bool) or not isinstance(current, (int, float)):
+        return False
+    return current == loaded or float(torch.tensor(current, dtype=torch.float32)) == loaded
+
+
+def _variable_attrs(optimizer, given: Dict[str, Any], extra: Tuple[str, ...] = ()) -> None:
+    """PopTorch's rule: the arguments given are variable; the optimiser's defaults and
+    ``loss_scaling`` may be marked."""
+    variables = [k for k, v in given.items() if v is not None]
+    optimizer.variable_attrs = VariableAttributes(
+        variables, list(optimizer.defaults) + list(extra) + ["loss_scaling"])
+
+
+class _IpuArguments(Optimizer):
     def _init_ipu(self, ipu: Dict[str, Any]) -> None:
+        self._reset_ipu()
         scaling = ipu.get("loss_scaling", 1.0)
         if not isinstance(scaling, (int, float)) or not 0 < scaling < math.inf:
             raise OptionsError(f"{type(self).__name__}(loss_scaling={scaling!r}): expected a "
                                "positive number (the loss is multiplied by it for the backward "
                                "pass and the gradients divided by it before the update).")
+        for name in ("accum_type", "velocity_accum_type", "first_order_momentum_accum_type",
+                     "second_order_momentum_accum_type"):
+            if ipu.get(name, torch.float32) not in (torch.float16, torch.float32):
+                raise OptionsError(
+                    "Accumulation types must be either torch.float32 or torch.float16 "
+                    f"({type(self).__name__}({name}={ipu[name]!r})): pass one of those, or "
+                    "leave it unset (torch.float32).")
         self.ipu_arguments = dict(ipu)
         norm = ipu.get("max_grad_norm", math.inf)
         self.max_grad_norm = math.inf if norm is None else float(norm)
 
+    @property
+    def loss_scaling(self) -> float:
+        """PopTorch's attribute: the loss scaling factor (1.0 unless given); assignable."""
+        return float(self.ipu_arguments.get("loss_scaling", 1.0))
+
+    @loss_scaling.setter
+    def loss_scaling(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value < math.inf:
+            raise OptionsError(f"{type(self).__name__}.loss_scaling = {value!r}: expected a "
+                               "positive number.")
+        self.ipu_arguments["loss_scaling"] = value
+
     def __getstate__(self):
-        # torch.optim keeps only defaults, state and param_groups; copies and
-        # pickles must keep PopTorch's arguments too
+        # copies and pickles keep PopTorch's arguments too
         state = super().__getstate__()
         for name, value in self.__dict__.items():
             if not name.startswith("_") and name not in state:
@@ -66,6 +416,8 @@ class _IpuArguments:
 class SGD(_IpuArguments, torch.optim.SGD):
     """``torch.optim.SGD`` (+ ``loss_scaling``, ``velocity_scaling``, ``use_combined_accum``, ``max_grad_norm``)."""
 
+    _ipu_state_prefixes = _SGD_STATE
+
     def __init__(self, params, lr=None, momentum=None, dampening=None, weight_decay=None,
                  nesterov=None, maximize=None, foreach=None, differentiable=None, **ipu) -> None:
         kw, extra = _split(dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -73,6 +425,10 @@ class SGD(_IpuArguments, torch.optim.SGD):
                                 foreach=foreach, differentiable=differentiable, **ipu))
         torch.optim.SGD.__init__(self, params, **kw)
         self._init_ipu(extra)
+        _variable_attrs(self, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                   weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                                   foreach=foreach, differentiable=differentiable, **ipu),
+                        ("velocity_scaling",) if ipu.get("use_combined_accum") else ())
 
 
 class _BiasCorrection:
@@ -132,6 +488,8 @@ class Adam(_BiasCorrection, _IpuArguments, torch.optim.Adam):
         torch.optim.Adam.__init__(self, params, **kw)
         self._init_ipu(extra)
         self._init_bias_correction(bias_correction)
+        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                   amsgrad=amsgrad, bias_correction=bias_correction, **ipu))
 
 
 class AdamW(_BiasCorrection, _IpuArguments, torch.optim.AdamW):
@@ -150,10 +508,14 @@ class AdamW(_BiasCorrection, _IpuArguments, torch.optim.AdamW):
         torch.optim.AdamW.__init__(self, params, **kw)
         self._init_ipu(extra)
         self._init_bias_correction(bias_correction)
+        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                   amsgrad=amsgrad, bias_correction=bias_correction, **ipu))
 
 
 class RMSprop(_IpuArguments, torch.optim.RMSprop):
     """``torch.optim.RMSprop`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``)."""
+
+    _ipu_state_prefixes = _RMSPROP_STATE
 
     def __init__(self, params, lr=None, alpha=None, eps=None, weight_decay=None, momentum=None,
                  centered=None, foreach=None, maximize=None, differentiable=None, **ipu) -> None:
@@ -166,6 +528,8 @@ class RMSprop(_IpuArguments, torch.optim.RMSprop):
                                 maximize=maximize, differentiable=differentiable, **ipu))
         torch.optim.RMSprop.__init__(self, params, **kw)
         self._init_ipu(extra)
+        _variable_attrs(self, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                   momentum=momentum, centered=centered, **ipu))
 
 
 class _Lamb(torch.optim.Optimizer):
@@ -234,17 +598,7 @@ class LAMB(_IpuArguments, _Lamb):
         torch.optim.Optimizer.__init__(self, params, defaults)
         self.bias_correction = True if bias_correction is None else bool(bias_correction)
         self._init_ipu(_split(ipu)[1])
+        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                   bias_correction=bias_correction,
+                                   max_weight_norm=max_weight_norm, **ipu))
 
-
-class VariableAttributes:
-    """PopTorch's optimizer attribute markers (accepted; no effect)."""
-
-    def markAsConstant(self, attr: str) -> None:  # noqa: N802 - PopTorch's name
-        pass
-
-    def markAsVariable(self, attr: str) -> None:  # noqa: N802
-        pass
-
-
-for _cls in (SGD, Adam, AdamW, RMSprop, LAMB):
-    _cls.variable_attrs = VariableAttributes()

@@ -126,6 +126,7 @@ class _TrainingOptions(_OptionGroup):
         super().__init__()
         self.gradient_accumulation = 1
         self.accumulation_and_replication_reduction_type = ReductionType.Mean
+        self._mean_reduction_strategy = MeanReductionStrategy.Post
 
     def gradientAccumulation(self, gradient_accumulation: int) -> "_TrainingOptions":
         """Number of micro-batches whose gradients are combined before each optimiser step."""
@@ -145,7 +146,37 @@ class _TrainingOptions(_OptionGroup):
         return self
 
     def setMeanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
-        return self._ignore("setMeanAccumulationAndReplicationReductionStrategy", strategy)
+        """When a Mean reduction divides (PopTorch's ``Running``, ``Post`` or ``PostAndLoss``).
+
+        Recorded and readable as ``meanAccumulationAndReplicationReductionStrategy``;
+        ipukit always divides once, after accumulating in float32, which gives
+        the values of every strategy.
+        """
+        name = "meanAccumulationAndReplicationReductionStrategy"
+        self._check_not_frozen(f"setMeanAccumulationAndReplicationReductionStrategy({strategy!r})")
+        if not isinstance(strategy, MeanReductionStrategy):
+            raise OptionsError(
+                f"Unexpected type {type(strategy)} for option {name}. Expected "
+                f"{MeanReductionStrategy}: use ipukit.MeanReductionStrategy.Post, .Running "
+                "or .PostAndLoss.")
+        self._ignore("setMeanAccumulationAndReplicationReductionStrategy", strategy)
+        self._mean_reduction_strategy = strategy
+        return self
+
+    @property
+    def meanAccumulationAndReplicationReductionStrategy(self) -> MeanReductionStrategy:  # noqa: N802
+        """PopTorch's attribute form: read it, or assign a :class:`~ipukit.MeanReductionStrategy`
+        (default ``Post``)."""
+        return self._mean_reduction_strategy
+
+    @meanAccumulationAndReplicationReductionStrategy.setter
+    def meanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
+        self.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+
+    def _repr_items(self):
+        # the strategy shows once, under PopTorch's attribute name
+        return [(k, v) for k, v in super()._repr_items()
+                if k != "setMeanAccumulationAndReplicationReductionStrategy"]
 
     def setAutomaticLossScaling(self, enabled: bool):
         return self._ignore("setAutomaticLossScaling", enabled)
@@ -263,7 +294,7 @@ class Options(_IgnoredGroup):
     _path = "Options"
     _ignored_setters = (
         "enableExecutableCaching", "useIpuModel", "autoRoundNumIPUs", "enableSyntheticData",
-        "logDir", "syncPattern", "useIpuId", "enableStableNorm",
+        "syncPattern", "useIpuId", "enableStableNorm",
         "setAvailableMemoryProportion", "enableProfiling", "showCompilationProgressBar",
         "logCycleCount", "useOfflineIpuTarget", "updatableNamedBuffers", "maxRepeatLogs",
         "setExecutionStrategyPhased", "broadcastBuffers", "inputReplicaGrouping",
@@ -276,6 +307,7 @@ class Options(_IgnoredGroup):
         super().__init__()
         self.device_iterations = 1
         self.replication_factor = 1
+        self.log_dir = "."
         self.output_mode = OutputMode.Default
         self.output_return_period = 1
         self.random_seed: Optional[int] = None
@@ -314,40 +346,58 @@ class Options(_IgnoredGroup):
                 * self.Training.gradient_accumulation)
 
     def clone(self) -> "Options":
-        """A modifiable deep copy (never frozen)."""
-        clone = copy.deepcopy(self)
-        return clone
+        """A modifiable deep copy (never frozen), as ``copy.deepcopy`` gives.
+
+        Every setting is copied (anchors, strategy, groups, ``log_dir``, the
+        setters recorded as ignored) and the copy is independent of the original.
+        """
+        return copy.deepcopy(self)
+
+    def _all_or_nothing(self, apply) -> "Options":
+        """Run ``apply()``; if it fails, put every option back as it was."""
+        snapshot = self._snapshot()
+        try:
+            apply()
+        except BaseException:
+            self._restore(snapshot)
+            raise
+        return self
 
     def loadFromFile(self, filepath: str) -> "Options":
         """Apply a PopTorch config file: one setter per line, without ``options.``.
 
         ``deviceIterations(32)``, ``Training.gradientAccumulation(4)``,
-        ``outputMode(poptorch.OutputMode.All)``; ``#`` comments. Later files
-        and lines override earlier ones. Arguments must be literals or enum
-        values (the file is parsed, not executed).
+        ``outputMode(poptorch.OutputMode.All)``,
+        ``setExecutionStrategy(poptorch.ShardedExecution())``; ``#`` comments.
+        Later files and lines override earlier ones. Arguments are literals, enum
+        values and PopTorch's option objects (``PipelinedExecution``,
+        ``ShardedExecution``, ``Stage(...).ipu(n)``, ``TensorLocationSettings()...``):
+        the file is parsed, not executed. A file with an error changes nothing.
         """
         from .options_config import apply_lines
 
+        self._check_not_frozen(f"loadFromFile({filepath!r})")
         with open(filepath, encoding="utf-8") as f:
-            apply_lines(self, f.read().splitlines(), filepath)
-        return self
+            lines = f.read().splitlines()
+        return self._all_or_nothing(lambda: apply_lines(
+            self, lines, filepath, {"TensorLocationSettings": TensorLocationSettings}))
 
     def from_json(self, string: str) -> "Options":
         """Apply ``{"name.of.setter": value}`` pairs, e.g. ``'{"deviceIterations": 4}'``.
 
         A list value is passed as several arguments; ``"OutputMode.All"``-style
-        strings become enum values.
+        strings become enum values. A string with an error changes nothing.
         """
         from .options_config import apply_json
 
-        apply_json(self, string)
-        return self
+        return self._all_or_nothing(lambda: apply_json(self, string))
 
     def toDict(self) -> dict:
         """All options as a JSON-serialisable dict."""
         d = {
             "device_iterations": self.device_iterations,
             "replication_factor": self.replication_factor,
+            "log_dir": self.log_dir,
             "output_mode": self.output_mode.name,
             "output_return_period": self.output_return_period,
             "random_seed": self.random_seed,
@@ -377,8 +427,34 @@ class Options(_IgnoredGroup):
             d["ignored"] = ignored
         return d
 
-    def __repr__(self) -> str:
-        return f"Options({self.toDict()})"
+    def _repr_items(self):
+        """PopTorch's order: its values, then ipukit's, then the groups (its properties)."""
+        items = [(k, getattr(self, k)) for k in (
+            "replication_factor", "device_iterations", "log_dir", "anchored_tensors",
+            "output_mode", "output_return_period", "connection_type", "random_seed")]
+        items += [("execution_strategy", self._execution_strategy)]
+        items += [(k, getattr(self, k)) for k in (
+            "pipeline_schedule", "device_mapping", "cpu_threads_per_ipu", "record_timeline",
+            "profile_dir", "model_name")]
+        items += list(self._ignored.items())
+        return items + sorted((k, v) for k, v in self.__dict__.items()
+                              if isinstance(v, _OptionGroup))
+
+    # ``str(options)`` and ``repr(options)``: PopTorch's ``Options(key=value, ...)`` form
+    # (the base class writes it from _repr_items).
+
+    def logDir(self, log_dir: str) -> "Options":
+        """Where PopTorch wrote its log files (default ``"."``); recorded in ``log_dir``.
+
+        ipukit writes no log files there (see :meth:`profileDir` for profiles)."""
+        self._check_not_frozen(f"logDir({log_dir!r})")
+        if isinstance(log_dir, os.PathLike):
+            log_dir = os.fspath(log_dir)
+        if not isinstance(log_dir, str):
+            raise OptionsError(f"Unexpected type {type(log_dir)} for option log_dir. Expected "
+                               f"{str}: pass a directory path, e.g. opts.logDir('logs').")
+        self.log_dir = log_dir
+        return self
 
     # -- PopTorch's setters ----------------------------------------------------
 

@@ -2,17 +2,21 @@
 
 A config file has one setter call per line, written as in Python without the
 ``options.`` prefix (``deviceIterations(10)``, ``Training.gradientAccumulation(4)``,
-``outputMode(poptorch.OutputMode.All)``); ``#`` starts a comment. PopTorch
-``exec``-ed the file; ipukit parses each line and accepts only literals and
-enum names as arguments, so a config file cannot run code.
+``outputMode(poptorch.OutputMode.All)``,
+``setExecutionStrategy(poptorch.ShardedExecution())``); ``#`` starts a comment.
+PopTorch ``exec``-ed the file; ipukit parses each line and accepts as arguments
+only literals, enum names and PopTorch's option objects (:data:`OBJECTS`, built
+with literal arguments, then their public methods such as ``Stage("B1").ipu(0)``),
+so a config file cannot run other code.
 """
 from __future__ import annotations
 
 import ast
 import json
-from typing import Any, List, Sequence
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from . import enums
+from . import enums, strategies
 from .errors import ConfigFileError
 
 
@@ -35,17 +39,60 @@ def _dotted(node: ast.AST) -> str:
     raise ValueError("not a name")
 
 
-def _value(node: ast.AST) -> Any:
+#: PopTorch's option objects a config line may build (``poptorch.`` prefix optional).
+OBJECTS: Dict[str, Callable] = {
+    "PipelinedExecution": strategies.PipelinedExecution,
+    "ShardedExecution": strategies.ShardedExecution,
+    "Stage": strategies.Stage,
+    "SerialPhasedExecution": strategies.SerialPhasedExecution,
+    "ParallelPhasedExecution": strategies.ParallelPhasedExecution,
+    "PhasedExecution": strategies.PhasedExecution,
+    "Phase": strategies.Phase,
+}
+
+_ACCEPTED = ("a literal or an ipukit/poptorch enum value, nor one of PopTorch's option objects "
+             "(poptorch.ShardedExecution(), poptorch.PipelinedExecution(...), "
+             "poptorch.Stage(...).ipu(n), poptorch.TensorLocationSettings()...)")
+
+
+def _object(node: ast.Call, objects: Dict[str, Callable]) -> Any:
+    """``poptorch.Stage("B1").ipu(0)``: a known constructor, then public methods of what it built."""
+    func = node.func
+    args = [_value(a, objects) for a in node.args]
+    kwargs = {k.arg: _value(k.value, objects) for k in node.keywords if k.arg is not None}
+    if len(kwargs) != len(node.keywords):
+        raise ValueError(f"{ast.unparse(node)}: **arguments are not accepted")
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call):
+        receiver = _object(func.value, objects)
+        if func.attr.startswith("_") or not callable(getattr(receiver, func.attr, None)):
+            raise ValueError(f"{ast.unparse(node)}: {type(receiver).__name__} has no method "
+                             f"{func.attr!r}")
+        return getattr(receiver, func.attr)(*args, **kwargs)
+    parts = _dotted(func).split(".")
+    if parts[0] in ("poptorch", "ipukit"):
+        parts = parts[1:]
+    if len(parts) != 1 or parts[0] not in objects:
+        raise ValueError(f"{ast.unparse(node)} is not {_ACCEPTED}")
+    return objects[parts[0]](*args, **kwargs)
+
+
+def _value(node: ast.AST, objects: Optional[Dict[str, Callable]] = None) -> Any:
+    objects = OBJECTS if objects is None else objects
     try:
         return ast.literal_eval(node)
     except ValueError:
         pass
+    if isinstance(node, ast.Call):
+        return _object(node, objects)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_value(e, objects) for e in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
     try:
         member = _enum(_dotted(node))
     except ValueError:
         member = None
     if member is None:
-        raise ValueError(f"{ast.unparse(node)} is not a literal or an ipukit/poptorch enum value")
+        raise ValueError(f"{ast.unparse(node)} is not {_ACCEPTED}")
     return member
 
 
@@ -58,24 +105,44 @@ def _setter(options, path: str):
     return target
 
 
-def apply_lines(options, lines: Sequence[str], source: str) -> None:
-    """Apply setter calls, one per line, to ``options``."""
+_HOW = ("Write one setter call per line without the 'options.' prefix, e.g. "
+        "Training.gradientAccumulation(4).")
+
+
+def apply_lines(options, lines: Sequence[str], source: str,
+                objects: Optional[Dict[str, Callable]] = None) -> None:
+    """Apply setter calls, one per line, to ``options``.
+
+    Every line is parsed before any is applied (as PopTorch compiled the whole
+    file first), so a syntax error changes nothing. ``objects`` adds option
+    classes a line may build to :data:`OBJECTS` (``Options`` passes
+    ``TensorLocationSettings``).
+    """
+    known = dict(OBJECTS, **(objects or {}))
+    filename = os.path.basename(source)
+    parsed = []
     for number, line in enumerate(lines, start=1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
-        where = f"line {number} of {source}"
         try:
             call = ast.parse(text, mode="eval").body
+        except SyntaxError as exc:
+            # PopTorch's words: "<error> at line <n> of <file>: <detail>\n> <line>"
+            raise ConfigFileError(
+                f"SyntaxError at line {number} of {filename}: {exc.msg}\n> {text}\n"
+                f"(line {number} of {source}) {_HOW}") from None
+        parsed.append((number, text, call))
+    for number, text, call in parsed:
+        where = f"line {number} of {source}"
+        try:
             if not isinstance(call, ast.Call):
                 raise ValueError("expected a setter call such as deviceIterations(10)")
-            args: List[Any] = [_value(a) for a in call.args]
-            kwargs = {k.arg: _value(k.value) for k in call.keywords}
+            args: List[Any] = [_value(a, known) for a in call.args]
+            kwargs = {k.arg: _value(k.value, known) for k in call.keywords}
             setter = _setter(options, _dotted(call.func))
-        except (SyntaxError, ValueError) as exc:
-            raise ConfigFileError(
-                f"{where}: {text!r}: {exc}. Write one setter call per line without the "
-                "'options.' prefix, e.g. Training.gradientAccumulation(4).") from None
+        except ValueError as exc:
+            raise ConfigFileError(f"{where}: {text!r}: {exc}. {_HOW}") from None
         setter(*args, **kwargs)
 
 
