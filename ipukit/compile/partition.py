@@ -28,7 +28,9 @@ from .._torch import pytree
 
 from ..core import blocks as _blocks
 from .flat import flat_stage
-from ..core.errors import BlockError, PipelineConfigError, TracingError
+from ..core.enums import AutoStage
+from ..core.errors import (BlockError, Error, InputShapeError, ModelStateError,
+                           PipelineConfigError, TracingError)
 from ..core.ops import LossMarks, running_on_ipu
 from ..core.strategies import PipelinedExecution, ShardedExecution
 
@@ -116,6 +118,9 @@ class _FlatModel(torch.nn.Module):
                             and pytree.tree_flatten((tuple(range(n)), {}))[1] == in_spec)
         self._flat_out: Optional[int] = None   # set by use_fast_outputs()
         self._record = True
+        # run under MixedPrecision (set when the trace found float16 activations meeting
+        # float32 weights; a traced stage has the casts in its graph instead)
+        self.mixed_precision = False
 
     def use_fast_outputs(self) -> None:
         """After the output structure is known: skip recording it on every call."""
@@ -140,6 +145,12 @@ class _FlatModel(torch.nn.Module):
         return _SEEN.get(self._key, {}).get("leaves")
 
     def forward(self, *tensors):
+        if self.mixed_precision:
+            with MixedPrecision(self.model, fixed_weights=True):
+                return self._forward(*tensors)
+        return self._forward(*tensors)
+
+    def _forward(self, *tensors):
         if self._positional:
             out = self.model(*tensors)
         else:
@@ -174,6 +185,104 @@ class _OutsideBlockWatch(TorchFunctionMode):
         return result
 
 
+# Operations whose tensor operands must share one dtype in PyTorch ("mat1 and mat2 must
+# have the same dtype", "expected scalar type Half but found Float"), by torch function name.
+_SAME_DTYPE_OPS = frozenset({
+    "linear", "bilinear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm",
+    "addbmm", "baddbmm", "addmv", "mv", "dot", "vdot", "inner", "tensordot", "einsum",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "prelu"})
+# Normalisations: PyTorch runs a float16 input with float32 weight, bias and statistics.
+_NORM_OPS = frozenset({"batch_norm", "instance_norm", "layer_norm", "group_norm"})
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+class MixedPrecision(TorchFunctionMode):
+    """PopTorch's resolution of float16 activations meeting float32 weights.
+
+    PopTorch's user guide: weights may stay float32 while the inputs are float16;
+    "the parameters will be converted to float16 if you call an operation with a
+    float16 input", and the updates stay float32. Where PyTorch itself accepts a
+    mix of dtypes, PopTorch 3 follows PyTorch, and so does ipukit. The rule, per
+    operation of the model, where the model's own parameters and buffers are the
+    *weights* and every other floating tensor an *activation*:
+
+    * matrix products and convolutions (``linear``, ``matmul``, ``conv2d``, ...;
+      PyTorch requires one dtype): when every floating activation is float16 (or
+      bfloat16) and weights are float32, the op uses those weights cast to the
+      activations' dtype, so it computes and returns float16 (PopTorch's 8-bit I/O
+      test: ``linear(x.half())`` with float32 weights is half). The cast is part of
+      the step, so gradients reach the float32 weights in float32. Integer
+      activations (8-bit inputs) meeting float weights are cast to the weights'
+      dtype (PyTorch's ``result_type``, as PopTorch's implicit casting);
+    * normalisations (``batch_norm``, ``layer_norm``, ...): PyTorch's own
+      mixed-precision kernels take a float16 input with float32 weights and
+      statistics. When a norm's weights are float16 but its running statistics
+      float32 (PopTorch's way of keeping statistics in float32), the weights are
+      used as float32, so the statistics keep their dtype and are updated in place;
+    * everything else: PyTorch's type promotion (float16 + float32 is float32).
+
+    While a model is traced, the casts become part of each stage's graph; a model
+    run eagerly as one stage runs under this mode.
+    """
+
+    def __init__(self, model: torch.nn.Module, fixed_weights: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.casts = 0     # operations that needed the rule
+        # fixed_weights: the model's parameter and buffer objects stay the same while the
+        # mode is on (one eager call), so they are listed once
+        self._fixed = fixed_weights
+        self._ids = None   # (parameter ids, buffer ids)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name in _SAME_DTYPE_OPS or name in _NORM_OPS:
+            args, kwargs = self._resolve(name in _NORM_OPS, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _state_ids(self):
+        # read at the time of the op: while torch.export traces, the module holds
+        # stand-ins for its parameters and buffers, and those are what the op sees
+        if self._ids is None or not self._fixed:
+            self._ids = ({id(p) for p in self.model.parameters()},
+                         {id(b) for b in self.model.buffers()})
+        return self._ids
+
+    def _resolve(self, norm: bool, args, kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if len({t.dtype for t in tensors}) < 2:
+            return args, kwargs
+        params, buffers = self._state_ids()
+        weights = [t for t in tensors if id(t) in params or id(t) in buffers]
+        acts = [t for t in tensors if id(t) not in params and id(t) not in buffers]
+        if not weights or not acts:
+            return args, kwargs
+        act_float = {t.dtype for t in acts if t.is_floating_point()}
+        weight_float = {t.dtype for t in weights if t.is_floating_point()}
+        cast = {}
+        if norm:
+            stats = {t.dtype for t in weights if id(t) in buffers and t.is_floating_point()}
+            if len(act_float) == 1 and act_float <= set(_REDUCED) and len(stats) == 1:
+                target = stats.pop()
+                cast = {id(t): target for t in weights
+                        if id(t) in params and t.is_floating_point() and t.dtype != target}
+        elif len(act_float) == 1 and act_float <= set(_REDUCED):
+            target = next(iter(act_float))
+            cast = {id(t): target for t in weights if t.dtype == torch.float32}
+        elif not act_float and len(weight_float) == 1:
+            target = next(iter(weight_float))   # integer activations, float weights
+            cast = {id(t): target for t in acts}
+        if not cast:
+            return args, kwargs
+        self.casts += 1
+        leaves = [t.to(cast[id(t)]) if isinstance(t, torch.Tensor) and id(t) in cast else t
+                  for t in leaves]
+        return pytree.tree_unflatten(leaves, spec)
+
+
 def _root_cause(exc: BaseException) -> str:
     """The first line of the innermost exception: the tracer's own reason."""
     seen = set()
@@ -185,11 +294,12 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def _own_error(exc: BaseException) -> Optional[BaseException]:
-    """The ipukit error that the tracer wrapped in its own, if any."""
+    """The ipukit error that the tracer wrapped in its own, if any (a refusal, a bad
+    argument to an ipukit operation: the model would raise it eagerly too)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, (BlockError, PipelineConfigError)):
+        if isinstance(exc, Error) and not isinstance(exc, TracingError):
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
@@ -252,6 +362,7 @@ def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
             "`with ipukit.Block(...)` scope, or use ipukit.Block.start(...) / "
             "ipukit.BeginBlock(...), which stay open until the next block begins.")
     if not isinstance(strategy, ShardedExecution):
+        _check_contiguous_stages(strategy, begins)
         highest = -1
         for block, stage_id in begins:
             if stage_id < highest:
@@ -263,26 +374,88 @@ def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
             highest = max(highest, stage_id)
 
 
+def _check_contiguous_stages(strategy: PipelinedExecution,
+                             begins: List[Tuple[str, int]]) -> None:
+    """PopART's rule for a pipeline: its stage ids are 0 .. n-1, none missing.
+
+    With ``AutoStage.SameAsIpu`` (the default) a block's stage id is its ``ipu_id``,
+    so blocks on IPUs 0 and 2 and none on IPU 1 make a pipeline with a missing
+    stage, which PopTorch (through PopART) refused. A model on one IPU is not
+    pipelined, and Stages or ``AutoStage.AutoIncrement`` number stages without gaps.
+    """
+    if strategy.auto_stage != AutoStage.SameAsIpu:
+        return
+    stage_ids = sorted({stage_id for _, stage_id in begins})
+    if len(stage_ids) < 2:
+        return
+    missing = [i for i in range(len(stage_ids)) if i not in stage_ids]
+    if missing:
+        on = {}
+        for block, stage_id in begins:
+            on.setdefault(stage_id, [])
+            if block not in on[stage_id]:
+                on[stage_id].append(block)
+        used = ", ".join(f"IPU {i}: {on[i]}" for i in stage_ids)
+        raise PipelineConfigError(
+            f"The set of pipeline stages for all Ops contains {len(stage_ids)} stages, but "
+            f"stage {missing[0]} is missing. With AutoStage.SameAsIpu a block's ipu_id is "
+            f"its pipeline stage, and the blocks run on {used}: no block runs on IPU "
+            f"{missing[0]}. Number the ipu_ids 0 to {len(stage_ids) - 1} without gaps, "
+            "or choose the stages yourself: PipelinedExecution(AutoStage.AutoIncrement), "
+            "PipelinedExecution(Stage(...).ipu(n), ...), or ShardedExecution.")
+
+
+def _check_not_meta(model: torch.nn.Module, flat_inputs: Sequence) -> None:
+    """Tensors on the meta device have a shape and no data: nothing can run on them.
+
+    The weights are checked first: the trace sample follows the weights' device, so
+    meta weights make a meta sample of real inputs."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ModelStateError(
+                    f"The {kind} {name!r} of {type(model).__name__} is on the meta device "
+                    "(a shape without data), so the model cannot run. Give the model real "
+                    "weights before wrapping it: model.to_empty(device='cpu') and then "
+                    "model.load_state_dict(weights) (or build the model outside "
+                    "torch.device('meta')).")
+    for i, v in enumerate(flat_inputs):
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            raise InputShapeError(
+                f"Input {i} of {type(model).__name__} (shape {tuple(v.shape)}) is on the "
+                "meta device (a shape without data): pass real tensors, e.g. "
+                "torch.zeros(shape), or tensor.to_empty(device='cpu') filled with data.")
+
+
 _TRACE_LOCK = threading.RLock()
 
 
 def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
-          strategy: PipelinedExecution, split_stages: bool = False) -> Partition:
+          strategy: PipelinedExecution, split_stages: bool = False,
+          training: Optional[bool] = None) -> Partition:
     """Trace ``model`` on one micro-batch and cut it into stages.
 
     ``split_stages`` cuts wherever the stage changes, even on the same IPU (for
-    schedules that place several stages on one IPU).
+    schedules that place several stages on one IPU). ``training`` says whether
+    the model is a training one (the inference-only operations, ``for_loop`` and
+    ``cond``, then refuse it while it is traced; ``None``: not said).
+
+    Float16 activations meeting float32 weights are resolved as
+    :class:`MixedPrecision` describes. Inputs, parameters or buffers on the meta
+    device are refused before anything is traced.
 
     Traces run one at a time: torch.export's tracing state is process-wide, so
     models compiled from several threads at once (a dashboard's training thread
     and the notebook, say) take turns. (The block recorder is per context.)
     """
+    _check_not_meta(model, flat_inputs)
     with _TRACE_LOCK:
-        return _trace(model, flat_inputs, in_spec, strategy, split_stages)
+        return _trace(model, flat_inputs, in_spec, strategy, split_stages, training)
 
 
 def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
-           strategy: PipelinedExecution, split_stages: bool = False) -> Partition:
+           strategy: PipelinedExecution, split_stages: bool = False,
+           training: Optional[bool] = None) -> Partition:
     from torch.distributed.pipelining import pipeline
 
     flat_model = _FlatModel(model, in_spec, flat_inputs)
@@ -299,9 +472,11 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
     recorder.begin = begin
     previous = _blocks.set_recorder(recorder)
     marks = LossMarks()
+    mixed = MixedPrecision(model)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     try:
-        with marks, _OutsideBlockWatch(recorder), warnings.catch_warnings(), running_on_ipu():
+        with marks, mixed, _OutsideBlockWatch(recorder), warnings.catch_warnings(), \
+                running_on_ipu(training=training):
             warnings.simplefilter("ignore")
             pipe = pipeline(flat_model, mb_args=tensors)
     except (BlockError, PipelineConfigError):
@@ -331,7 +506,8 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
         part = eager(model, flat_inputs, in_spec, out_spec=flat_model.out_spec,
                      out_leaves=out_leaves, loss=loss, loss_marked=marked,
                      ipu=recorder.segments[0].ipu if recorder.segments else 0,
-                     blocks=recorder.segments[0].blocks if recorder.segments else [])
+                     blocks=recorder.segments[0].blocks if recorder.segments else [],
+                     mixed_precision=mixed.casts > 0)
         part.mutated_inputs = _mutated_inputs(pipe.split_gm)
         return part
     if pipe.num_stages != len(recorder.segments):
@@ -443,9 +619,14 @@ def _tensor_position_to_leaf(out_leaves, tensor_index: Optional[int]) -> Optiona
 
 def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
           out_leaves=None, loss: Optional[int] = None, ipu: int = 0,
-          blocks: Optional[List[str]] = None, loss_marked: bool = False) -> Partition:
-    """A one-stage partition that runs the user's model eagerly (no trace)."""
+          blocks: Optional[List[str]] = None, loss_marked: bool = False,
+          mixed_precision: bool = False) -> Partition:
+    """A one-stage partition that runs the user's model eagerly (no trace).
+
+    ``mixed_precision``: run it under :class:`MixedPrecision` (its float16
+    activations meet float32 weights)."""
     flat_model = _FlatModel(model, in_spec, flat_inputs)
+    flat_model.mixed_precision = mixed_precision
     n_tensors = sum(isinstance(v, torch.Tensor) for v in flat_inputs)
     stage = StageModule(index=0, ipu=ipu, blocks=list(blocks or []), module=flat_model,
                         args=[Ref("input", i) for i in range(n_tensors)], tuple_output=True,
@@ -478,11 +659,13 @@ def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
     """
     flat_model = part.stages[0].module
     marks = LossMarks()
+    mixed = MixedPrecision(flat_model.model)
     state = {n: b.detach().clone() for n, b in flat_model.named_buffers()}
     rng = torch.get_rng_state()
     try:
-        with marks, torch.no_grad(), running_on_ipu():
+        with marks, mixed, torch.no_grad(), running_on_ipu():
             flat_model(*[v for v in flat_inputs if isinstance(v, torch.Tensor)])
+        flat_model.mixed_precision = flat_model.mixed_precision or mixed.casts > 0
     finally:
         torch.set_rng_state(rng)
         with torch.no_grad():

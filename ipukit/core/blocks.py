@@ -170,24 +170,45 @@ class _BlockHook:
             rec.begin(self.user_id, self.ipu_id)
 
     def __repr__(self) -> str:
-        return f"BeginBlock(user_id={self.user_id!r}, ipu_id={self.ipu_id!r})"
+        # PopTorch's wording (ids unquoted), which module_repr() shows before the module
+        return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
 
 
-class _BeginBlockFunction:
-    """``BeginBlock`` applied to a plain callable."""
+class _BeginBlockFunction(torch.nn.Module):
+    """``BeginBlock`` applied to a plain callable: a module that starts the block, then calls it.
+
+    A module, as PopTorch's was, so that assigning it to a model's attribute makes it a
+    sub-module; it holds no parameters. Like any module it can be pickled (when the
+    callable can) and deep-copied, and the copy keeps the block.
+    """
 
     def __init__(self, fn: Callable, user_id, ipu_id) -> None:
-        self._fn = fn
+        super().__init__()
+        self._layer_to_call = fn
         self._hook = _BlockHook(user_id, ipu_id)
-        functools.update_wrapper(self, fn)
 
-    def __call__(self, *args, **kwargs):
-        self._hook(None, args)
-        return self._fn(*args, **kwargs)
+    def forward(self, *args, **kwargs):
+        self._hook(self, args)
+        return self._layer_to_call(*args, **kwargs)
+
+    # called directly, not through Module.__call__: the block starts exactly where the
+    # function runs, with no module-call bookkeeping around it in the trace
+    __call__ = forward
+
+    def extra_repr(self) -> str:
+        name = getattr(self._layer_to_call, "__qualname__", None) or repr(self._layer_to_call)
+        return f"{name}, user_id={self._hook.user_id}, ipu_id={self._hook.ipu_id}"
 
 
 def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
-    """Start a block whenever ``layer_to_call`` (a module) runs; returns the module."""
+    """Start a block whenever ``layer_to_call`` runs; returns it.
+
+    ``layer_to_call`` is a module (a forward pre-hook starts the block; the module is
+    returned) or, as PopTorch also allowed, a plain callable (returned wrapped in a module
+    that starts the block and then calls it). The annotation is part of the module: it
+    survives ``copy.deepcopy`` and ``torch.save``/``pickle``, and :func:`module_repr`
+    shows it.
+    """
     if not isinstance(layer_to_call, torch.nn.Module):
         if callable(layer_to_call):
             return _BeginBlockFunction(layer_to_call, user_id, ipu_id)
@@ -223,6 +244,29 @@ def begin_blocks(module: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optiona
     """
     return [(m, h.user_id, h.ipu_id) for m in module.modules()
             for h in m._forward_pre_hooks.values() if isinstance(h, _BlockHook)]
+
+
+def module_repr(module: torch.nn.Module) -> str:
+    """``repr(module)`` with each module's forward pre-hooks written before its name.
+
+    PopTorch's ``module_repr``: torch's repr leaves hooks out, so the blocks that
+    ``BeginBlock`` added do not show; here a module annotated with
+    ``BeginBlock(m.l1, ipu_id=1)`` reads ``(l1): BeginBlock(user_id=None, ipu_id=1)
+    Linear(...)``. Everything else is laid out as torch lays it out.
+    """
+    if not isinstance(module, torch.nn.Module):
+        return repr(module)
+    extra = module.extra_repr()
+    extra_lines = extra.split("\n") if extra else []
+    child_lines = [f"({name}): " + module_repr(child).replace("\n", "\n  ")
+                   for name, child in module._modules.items()]
+    hooks = "".join(f"{hook!r} " for hook in module._forward_pre_hooks.values())
+    text = f"{hooks}{module._get_name()}("
+    if len(extra_lines) == 1 and not child_lines:
+        text += extra_lines[0]
+    elif extra_lines or child_lines:
+        text += "\n  " + "\n  ".join(extra_lines + child_lines) + "\n"
+    return text + ")"
 
 
 def removeBlocks(module: torch.nn.Module) -> torch.nn.Module:

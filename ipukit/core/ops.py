@@ -63,14 +63,46 @@ def isRunningOnIpu() -> bool:
 
 
 class running_on_ipu:
-    """Context manager that makes :func:`isRunningOnIpu` return True."""
+    """Context manager that makes :func:`isRunningOnIpu` return True.
+
+    ``training`` says whether the step being traced or run belongs to a training
+    model (``None``: not said, keep what an enclosing context said). The
+    inference-only operations (:func:`for_loop`, :func:`cond`) refuse a training
+    step, as PopTorch did.
+    """
+
+    def __init__(self, training: Optional[bool] = None) -> None:
+        self._training = training
 
     def __enter__(self):
-        self._previous = getattr(_running, "value", False)
+        self._previous = (getattr(_running, "value", False), getattr(_running, "training", None))
         _running.value = True
+        if self._training is not None:
+            _running.training = self._training
 
     def __exit__(self, *exc):
-        _running.value = self._previous
+        _running.value, _running.training = self._previous
+
+
+def _in_training_step() -> bool:
+    """Whether the model step running now is a training one.
+
+    Told by the trace (``running_on_ipu(training=...)``); otherwise an eager
+    step inside an ipukit call that records gradients is a training step (the
+    runtime runs inference without gradients).
+    """
+    training = getattr(_running, "training", None)
+    if training is not None:
+        return training
+    return isRunningOnIpu() and torch.is_grad_enabled() and not _tracing()
+
+
+def _inference_only(op: str, instead: str) -> None:
+    if _in_training_step():
+        raise UnsupportedError(
+            f"poptorch.{op}() is only supported in inference. ipukit refuses it in a "
+            f"training model, as PopTorch did: {instead}, or run the model with "
+            "ipukit.inferenceModel.")
 
 
 def ipu_print_tensor(tensor: torch.Tensor, title: str = "", *args, **kwargs) -> torch.Tensor:
@@ -188,10 +220,26 @@ def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[tor
 
     PopTorch compiled the loop once and ran it on the IPU; here it is a Python
     loop (unrolled when a stage is traced). ``body`` takes as many tensors as
-    it returns. Inputs are passed by value, as in PopTorch.
+    it returns. Inputs are passed by value, as in PopTorch. As in PopTorch, a
+    training model refuses it ("poptorch.for_loop() is only supported in
+    inference").
     """
+    if not isinstance(inputs, list):
+        raise OperationError(
+            "poptorch.for_loop expects input tensors (inputs) to be a list of tensors. "
+            f"(Object is not list) ipukit got a {type(inputs).__name__}: pass the loop's "
+            "initial values as a list, e.g. [x].")
+    for i, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            raise OperationError(
+                "poptorch.for_loop expects input tensors (inputs) to be a list of tensors. "
+                f"(Object contained in list at index {i} is not torch.tensor) ipukit got a "
+                f"{type(value).__name__}: make it a tensor (torch.tensor(value)) or use it "
+                "inside the body directly.")
     _int_arg("for_loop", "count", count)
-    values = [t.clone() for t in _tensor_list("for_loop", "inputs", inputs)]
+    _inference_only("for_loop", "unroll the loop with a Python loop in forward() "
+                                "(for _ in range(count): ...), which ipukit traces and trains")
+    values = [t.clone() for t in inputs]
     for _ in range(count):
         outputs = _as_list(body(*values))
         if len(outputs) != len(values):
@@ -211,10 +259,19 @@ def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Ten
     split into stages, the condition is data, not a Python bool: both
     branches run and ``torch.where`` picks each output, which gives the same
     values (and gradients only through the chosen branch). The branches must
-    return the same number of tensors, of matching shapes.
+    return the same number of tensors, of matching shapes. As in PopTorch, a
+    training model refuses it ("poptorch.cond() is only supported in inference").
     """
+    for name, value in (("then_inps", then_inps), ("else_inps", else_inps)):
+        if not isinstance(value, list):
+            raise OperationError(
+                "poptorch.cond expects then_inps and else_inps tensors to be a list of "
+                f"tensors. (Object is not list) ipukit got a {type(value).__name__} for "
+                f"{name}: pass each branch's inputs as a list, e.g. [x] (or [] for none).")
     _tensor_list("cond", "then_inps", then_inps)
     _tensor_list("cond", "else_inps", else_inps)
+    _inference_only("cond", "compute both branches and pick with torch.where(condition, a, b), "
+                            "which ipukit traces and trains")
     if not (isinstance(condition, torch.Tensor) and _tracing()):
         return _as_list(then_body(*then_inps) if condition else else_body(*else_inps))
     then_out, else_out = _as_list(then_body(*then_inps)), _as_list(else_body(*else_inps))

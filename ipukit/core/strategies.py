@@ -96,6 +96,11 @@ class PipelinedExecution:
     def stages(self) -> List[Stage]:
         return list(self._stages)
 
+    @property
+    def auto_stage(self) -> Optional[AutoStage]:
+        """How blocks get their stage ids when no Stages are listed (None when they are)."""
+        return None if self._stages else self._auto_stage
+
     def stage(self, block_id: str) -> Stage:
         """The explicit stage a block belongs to."""
         if block_id not in self._block_map:
