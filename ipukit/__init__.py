@@ -11,7 +11,7 @@ per-IPU timeline (``model.getTimeline()``).
 from . import schedule as _schedule_module  # noqa: F401  (ipukit.schedule: the schedules)
 from . import simulate as _simulate_module  # noqa: F401
 from .core import errors, optim
-from .core.blocks import BeginBlock, Block, BlockFunction, removeBlocks
+from .core.blocks import BeginBlock, Block, BlockFunction, module_repr, removeBlocks
 from .core.enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                          HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,
                          MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
@@ -24,11 +24,12 @@ from .core.ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder,
 from .core.options import Options, TensorLocationSettings
 from .core.strategies import (ParallelPhasedExecution, Phase, PhasedExecution,
                               PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage)
+from .calibrate import calibrate
 from .data import AsynchronousDataAccessor, DataLoader
 from .ipuconfig import (IncompatibleIPUConfigError, IPUConfig, get_layer_ipu,
                         recomputation_checkpoint, split_encoder_decoder_ipu_config)
-from .model import (PoplarExecutor, inferenceModel, registerPostCompileHook,
-                    registerPreCompileHook, trainingModel)
+from .model import (ICustomArgParser, PoplarExecutor, inferenceModel, registerCustomArgParser,
+                    registerPostCompileHook, registerPreCompileHook, trainingModel)
 from .schedules import Action, Schedule
 from .timeline import Event, Timeline
 from .timeline.compare import compare_schedules
@@ -104,5 +105,6 @@ __all__ = [
     "set_overlap_for_output", "Phase", "PhasedExecution", "RecoverableError", "UnrecoverableError",
     "ipuHardwareVersion", "load", "registerPreCompileHook", "registerPostCompileHook",
     "IPUConfig", "IncompatibleIPUConfigError", "get_layer_ipu", "recomputation_checkpoint",
-    "split_encoder_decoder_ipu_config",
+    "split_encoder_decoder_ipu_config", "calibrate", "module_repr", "ICustomArgParser",
+    "registerCustomArgParser",
 ]

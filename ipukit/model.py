@@ -6,18 +6,25 @@ each call then splits the combined batch (:mod:`ipukit.core.batching`), runs the
 program's schedule on per-IPU workers (:mod:`ipukit.runtime.executor`) and returns
 outputs per the output mode. The stages share the user's ``Parameter``
 objects, so the user's module, a training model and an inference model of it
-always see the same weights. PopTorch's other wrapper methods (state,
-device, weights, anchors) are at the end of the class.
+always see the same weights (a host write is seen by the next call, a call's
+update by the host at once). A call with inputs of another shape, dtype or
+structure recompiles (with a warning; PopTorch raised an error), and so does a
+call after ``destroy()``. Inputs the model changes in place are written back
+into the caller's tensors. PopTorch's other wrapper methods (state, device,
+weights, anchors) are at the end of the class; its custom argument parsers
+(:class:`ICustomArgParser`, :func:`registerCustomArgParser`) at the end of the module.
 """
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import datetime
+import inspect
 import time
 import warnings
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.utils.hooks
@@ -54,9 +61,9 @@ _IPU_ONLY_METHODS = {
                        "compile(*inputs)) to prepare it."),
 }
 
-DESTROYED = ("This model was destroyed (model.destroy()) and can no longer run. Wrap the "
-              "module again: ipukit.trainingModel(module, options, optimizer) or "
-              "ipukit.inferenceModel(module, options).")
+ALREADY_WRAPPED = ("Model has already been wrapped in 'ipukit.trainingModel'. Call "
+                   "model.destroy() on the existing training model to unwrap it before "
+                   "wrapping again.")
 
 NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
                  "model.compile(*inputs)) first.")
@@ -206,22 +213,71 @@ class PoplarExecutor:
                                    o.replication_factor)
 
     def compile(self, *args, **kwargs) -> None:
-        """Trace and partition the model for these inputs without running it."""
-        if self._destroyed:
-            raise ModelStateError(DESTROYED)
+        """Trace and partition the model for these inputs without running it (after
+        ``destroy()`` too: it compiles again, as PopTorch did)."""
+        kwargs = self._ordered_kwargs(kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._compile(flat, spec, args, kwargs)
 
     def _compile(self, flat, spec, args, kwargs) -> None:
+        """Compile for these inputs. The wrapper changes only once compiling succeeded: a
+        failed (re)compile leaves the previous program, or the destroyed state, as it was."""
+        model = self._user_model
+        if self._destroyed and self._training:
+            other = training_wrapper(model)
+            if other is not None and other is not self:
+                raise ModelStateError(
+                    f"{ALREADY_WRAPPED} This model was destroyed and another training model "
+                    "of the module was made since: train with that one, or destroy it first.")
         for hook in list(_PRE_COMPILE_HOOKS.values()):
             hook()
-        self._program = compiler.compile_program(self._user_model, self._options,
-                                                 self._training, flat, spec, args, kwargs)
+        _watch_registrations()
+        program = compiler.compile_program(model, self._options, self._training, flat, spec,
+                                           args, kwargs)
+        self._program = program
         self._attached = True
+        self.__dict__["_registrations_seen"] = _REGISTRATIONS[0]
+        if self._destroyed:  # called again after destroy(): wrapped again, as in PopTorch
+            self._destroyed = False
+            if self._training:
+                _TRAINING_WRAPPERS[model] = weakref.ref(self)
         for hook in list(_POST_COMPILE_HOOKS.values()):
             hook()
 
+    def _recompile(self, flat, spec, args, kwargs) -> None:
+        """A call whose inputs differ from the compiled ones: compile again, and say why."""
+        reason = compiler.input_change(self._program, self._user_model, flat, spec, args,
+                                       kwargs)
+        self._compile(flat, spec, args, kwargs)
+        warnings.warn(
+            f"ipukit recompiled the model for new inputs: {reason}. The weights and the "
+            "optimiser state are kept. (PopTorch raised an error for such a call; each "
+            "recompile traces the model again, so keep inputs the same to avoid it, e.g. "
+            "ipukit.DataLoader drops the incomplete last batch.)", UserWarning, stacklevel=3)
+
     # -- calls ------------------------------------------------------------------
+    def _ordered_kwargs(self, kwargs: dict) -> dict:
+        """Keyword arguments bound to ``forward``'s named parameters in its order, so the
+        order a call names them in never makes it look like other inputs (PopTorch bound
+        them to forward's names); the others (for ``**kwargs``) keep the call's order, which
+        forward can see."""
+        if len(kwargs) < 2:
+            return kwargs
+        rank = self.__dict__.get("_forward_order")
+        if rank is None:
+            try:
+                params = inspect.signature(self._user_model.forward).parameters.values()
+                rank = {p.name: i for i, p in enumerate(params)
+                        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            except (TypeError, ValueError):
+                rank = {}
+            self.__dict__["_forward_order"] = rank
+        ordered = sorted((k for k in kwargs if k in rank), key=rank.__getitem__) + \
+            [k for k in kwargs if k not in rank]
+        if ordered == list(kwargs):
+            return kwargs
+        return {k: kwargs[k] for k in ordered}
+
     def _flatten(self, args, kwargs):
         """Flat inputs and their pytree spec; plain positional tensors skip pytree."""
         if not kwargs and all(type(a) is torch.Tensor for a in args):
@@ -232,10 +288,37 @@ class PoplarExecutor:
             return list(args), spec
         return pytree.tree_flatten((args, kwargs))
 
+    def _check_module_state(self, program: Program) -> None:
+        """The compiled stages hold the module's parameter and buffer tensors: one replaced
+        or removed since would be silently ignored, so it is an error. Checked in full
+        only when torch registered a parameter, buffer or module anywhere since the last
+        check (the registration hooks count them), so a call pays nothing otherwise."""
+        seen = self.__dict__.get("_registrations_seen")
+        if seen == _REGISTRATIONS[0]:
+            return
+        changes = compiler.changed_tensors(self._user_model, program.module_tensors)
+        if changes:
+            raise ModelStateError(_host_change_message(*changes[0]))
+        self.__dict__["_registrations_seen"] = _REGISTRATIONS[0]
+
+    def _check_forward_changes(self, program: Program, snapshot) -> None:
+        """A forward that ran eagerly (a one-stage model) and replaced or removed one of the
+        module's parameters or buffers: PopTorch's error, after undoing the call."""
+        model = self._user_model
+        changes = compiler.changed_tensors(model, program.module_tensors)
+        if changes:
+            compiled = dict(program.module_tensors)
+            for kind, name, _ in changes:
+                with contextlib.suppress(Exception):  # a submodule that is gone
+                    compiler.put_back(model, kind, name, compiled[(kind, name)])
+            snapshot.restore()
+            raise ModelStateError(compiler.forward_change_message(*changes[0]))
+        self.__dict__["_registrations_seen"] = _REGISTRATIONS[0]
+
     def __call__(self, *args, **kwargs):
         t_call = time.perf_counter()
-        if self._destroyed:
-            raise ModelStateError(DESTROYED)
+        if kwargs:
+            kwargs = self._ordered_kwargs(kwargs)
         if self._options.Distributed.numProcesses > 1:  # launched by ipukit-run / torchrun
             from .runtime.processes import runtime as distributed
 
@@ -244,6 +327,7 @@ class PoplarExecutor:
                 self._keep_timeline(distributed.timeline_source(self))
                 return out
         flat, spec = self._flatten(args, kwargs)
+        callers = flat
         if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in flat):
             flat = _cast_doubles(flat)
         _warn_other_loader(flat, self)
@@ -253,17 +337,24 @@ class PoplarExecutor:
             program = self._program
             t_call = time.perf_counter()
         elif not program.same_inputs(flat, spec):
-            compiler.check_signature(program, flat, spec)
+            self._recompile(flat, spec, args, kwargs)
+            program = self._program
+            t_call = time.perf_counter()
+        else:
+            self._check_module_state(program)
         if not self._attached:
             self.attachToDevice()
         batching = program.batching
         micro = microbatch.split(flat, batching, program.input_names)
+        if program.mutated_inputs:
+            _own_copies(micro, program.mutated_inputs)
         program.prepare_replicas(batching.replicas)
         snapshot = self._snapshot.capture(self._user_model, self._optimizer, self._training)
         recorder = self._anchor_recorder(batching)
         runner = CallRunner(program, program.schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,
                             anchors=recorder, keep_rows=program.keep_rows)
+        registrations = _REGISTRATIONS[0]
         t_run = time.perf_counter()
         try:
             runner.run(snapshot)
@@ -272,7 +363,11 @@ class PoplarExecutor:
                 raise
             raise InputShapeError(f"{exc}\n{compiler.dtype_hint(program.input_names, flat, self._user_model)}"
                                   ) from exc
+        if _REGISTRATIONS[0] != registrations:  # something was assigned while it ran
+            self._check_forward_changes(program, snapshot)
         t_gather = time.perf_counter()
+        if program.mutated_inputs:
+            _write_back(callers, micro, program.mutated_inputs)
         result = _outputs(program, runner.results, micro)
         if recorder is not None:
             self._anchored = recorder.results(program.output_mode, batching)
@@ -369,13 +464,57 @@ class PoplarExecutor:
             distributed.synchronize_weights(self)
 
     def copyWeightsToDevice(self) -> None:
-        """Kept for PopTorch programs: weights are shared with the host module, nothing to copy."""
+        """Copy the host module's parameters and buffers to the compiled model.
+
+        They are shared with the host module, so an in-place write (``load_state_dict``,
+        ``p.data.copy_``, ``p.data = t``) needs no copy. A parameter or buffer the host
+        replaced by another tensor since compiling has its values copied into the
+        compiled one, which takes its place in the module again (the optimiser keeps
+        updating it).
+        """
         if self._program is None:
             raise ModelStateError(NOT_COMPILED)
+        self._copy_to_device(None)
 
     def copyNamedBuffersToDevice(self) -> None:
-        """Kept for PopTorch programs: buffers are shared with the host module, nothing to copy."""
-        self.copyWeightsToDevice()
+        """Copy the host module's buffers named in ``Options.updatableNamedBuffers`` (every
+        buffer when the option is not set) to the compiled model; see
+        :meth:`copyWeightsToDevice`. Buffers are shared with the host, so in-place writes
+        are seen without it; a buffer replaced by another tensor is copied back in place."""
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        names = compiler.updatable_buffers(self._options)
+        self._copy_to_device(("Buffer", None if names is None else set(names)))
+
+    def _copy_to_device(self, which) -> None:
+        """Put every replaced parameter/buffer's values back into the compiled tensor.
+
+        Everything is checked before anything is written: a removed tensor or a shape
+        that differs is an error that changes nothing."""
+        program = self._program
+        model = self._user_model
+        changes = compiler.changed_tensors(model, program.module_tensors)
+        if which is not None:
+            kind, names = which
+            changes = [c for c in changes if c[0] == kind and (names is None or c[1] in names)]
+        compiled = dict(program.module_tensors)
+        now = compiler.module_tensors(model)
+        for kind, name, how in changes:
+            if how == "removed":
+                raise ModelStateError(_host_change_message(kind, name, how))
+            new, old = now[(kind, name)], compiled[(kind, name)]
+            if new.shape != old.shape:
+                raise ModelStateError(
+                    f"{kind} {name} is reassigned within the model with shape "
+                    f"{list(new.shape)}, but the model was compiled with shape "
+                    f"{list(old.shape)}: its values cannot be copied into the compiled one. "
+                    "Call model.destroy() and call the model again to recompile for it.")
+        with torch.no_grad():
+            for kind, name, _ in changes:
+                old = compiled[(kind, name)]
+                old.copy_(now[(kind, name)])
+                compiler.put_back(model, kind, name, old)
+        self.__dict__["_registrations_seen"] = None  # check in full at the next call
 
     def compilationTime(self) -> datetime.timedelta:
         """How long tracing and partitioning the model took (its "compilation")."""
@@ -397,14 +536,51 @@ class PoplarExecutor:
     def destroy(self) -> None:
         """Forget the compiled model and unwrap the module (it can be wrapped again).
 
-        A destroyed wrapper no longer runs: calling it is an error, so two
-        training wrappers of one module can never both train.
+        Calling the wrapper again compiles it again, as in PopTorch, with the same
+        weights and optimiser (and wraps the module again); a training wrapper whose
+        module another training wrapper took meanwhile refuses, so two training
+        wrappers of one module never both train.
         """
         self._destroyed = True
         self._program = None
         self.__dict__.pop("_ipukit_distributed", None)
         self._attached = False
         forget_training_wrapper(self)
+
+
+def _own_copies(micro: List[list], mutated: Dict[int, torch.device]) -> None:
+    """Inputs the model changes in place: each micro-batch gets its own copy (on the device
+    of the stage that reads it), so the change lands where :func:`_write_back` finds it and
+    no micro-batch's change disturbs another's saved tensors."""
+    for i, device in mutated.items():
+        for row in micro:
+            row[i] = row[i].to(device, copy=True)
+
+
+def _write_back(callers: List[Any], micro: List[list], mutated: Dict[int, torch.device]) -> None:
+    """Copy what the model wrote into its inputs back into the caller's tensors, as eager
+    PyTorch and PopTorch leave them (after a call that succeeded only)."""
+    with torch.no_grad():
+        for i in mutated:
+            target = callers[i]
+            pieces = [row[i] for row in micro]
+            value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            target.copy_(value)
+
+
+def _host_change_message(kind: str, name: str, how: str) -> str:
+    """A parameter or buffer the host replaced or removed after the model was compiled."""
+    if how == "removed":
+        return (f"{kind} {name} is removed from the model after it was compiled, but the "
+                f"compiled model still holds it. Register it again, or call model.destroy() "
+                "and call the model again to recompile without it.")
+    fix = ("model.copyNamedBuffersToDevice() or model.copyWeightsToDevice()"
+           if kind == "Buffer" else "model.copyWeightsToDevice()")
+    return (f"{kind} {name} is reassigned within the model after it was compiled (another "
+            "tensor was assigned to it, not written in place), so the compiled model would "
+            f"still use the old one. Consider using self.{name}.copy_(src) to copy data from "
+            f"a source tensor, or call {fix} to copy the new tensor's values into the "
+            "compiled one.")
 
 
 def _outputs(program: Program, rows: List[list], micro: List[list]):
@@ -483,6 +659,27 @@ def training_wrapper(model: torch.nn.Module) -> Optional[PoplarExecutor]:
     return None if ref is None else ref()
 
 
+# How many parameters, buffers and submodules torch has registered (assigned) anywhere since
+# the first compile: a call checks its module's tensors in full only when this moved.
+_REGISTRATIONS = [0]
+_WATCHING: List[Any] = []
+
+
+def _count_registration(*_args) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def _watch_registrations() -> None:
+    """Count torch's parameter, buffer and module registrations (installed once)."""
+    if _WATCHING:
+        return
+    from torch.nn.modules import module as nn_module
+
+    _WATCHING.extend([nn_module.register_module_parameter_registration_hook(_count_registration),
+                      nn_module.register_module_buffer_registration_hook(_count_registration),
+                      nn_module.register_module_module_registration_hook(_count_registration)])
+
+
 _PRE_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
 _POST_COMPILE_HOOKS: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
 
@@ -524,9 +721,7 @@ def trainingModel(model: torch.nn.Module, options: Optional[Options] = None,
     if not isinstance(model, torch.nn.Module):
         raise OptionsError(f"trainingModel({model!r}): expected a torch.nn.Module.")
     if training_wrapper(model) is not None:
-        raise ModelStateError(
-            "Model has already been wrapped in 'ipukit.trainingModel'. Call model.destroy() on "
-            "the existing training model to unwrap it before wrapping again.")
+        raise ModelStateError(ALREADY_WRAPPED)
     return PoplarExecutor(model, options, training=True, optimizer=optimizer)
 
 
@@ -550,3 +745,123 @@ def ipu_only_method(name: str):
     def unsupported(*args, **kwargs):
         raise UnsupportedError(f"{name}(): {_IPU_ONLY_METHODS[name]}")
     return unsupported
+
+
+# -- PopTorch's custom argument parsers --------------------------------------------------
+
+class ICustomArgParser(abc.ABC):
+    """PopTorch's interface for a batch type of your own: how to find its tensors and how
+    to rebuild it from (other) tensors.
+
+    Register one with :func:`registerCustomArgParser`; an argument of that type then
+    reaches ``forward`` rebuilt per micro-batch, its tensors split along dimension 0 like
+    any other input's.
+    """
+
+    @abc.abstractmethod
+    def yieldTensors(self, struct) -> Iterator[torch.Tensor]:
+        """Yield every tensor of ``struct``, always in the same order."""
+
+    @abc.abstractmethod
+    def reconstruct(self, original_structure, tensor_iterator: Iterator[torch.Tensor]) -> Any:
+        """A new object like ``original_structure`` holding the tensors of
+        ``tensor_iterator``, taken in :meth:`yieldTensors`' order."""
+
+
+_CUSTOM_ARG_PARSERS: Dict[type, ICustomArgParser] = {}
+_FLATTENED_TYPES: set = set()  # the types told to torch's pytree (once each)
+
+
+class _Parsed:
+    """The pytree context of an argument a custom parser flattened: the object the model
+    was compiled with (``reconstruct``'s template) and the parser. Two contexts match when
+    the type and the parser do: PopTorch compared only such an argument's tensors."""
+
+    __slots__ = ("cls", "parser", "template")
+
+    def __init__(self, cls: type, parser: Optional[ICustomArgParser], template: Any) -> None:
+        self.cls, self.parser, self.template = cls, parser, template
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _Parsed) or other.cls is not self.cls \
+                or other.parser is not self.parser:
+            return False
+        # no parser (unregistered since): the object is a value fixed at compile time
+        return self.parser is not None or repr(self.template) == repr(other.template)
+
+    def __hash__(self) -> int:
+        return hash((self.cls, id(self.parser)))
+
+    def __repr__(self) -> str:
+        return f"{self.cls.__name__}(parsed by {type(self.parser).__name__})"
+
+
+def _custom_tensors(obj) -> tuple:
+    cls = type(obj)
+    parser = _CUSTOM_ARG_PARSERS.get(cls)
+    if parser is None:  # unregistered: no tensors, the object itself is the value
+        return [], _Parsed(cls, None, obj)
+    try:
+        tensors = list(parser.yieldTensors(obj))
+    except Exception as exc:  # noqa: BLE001 - the user's parser: re-raised, naming it
+        raise Error(f"The custom argument parser {type(parser).__name__} registered for "
+                    f"{cls.__name__} failed in yieldTensors: {type(exc).__name__}: {exc}. "
+                    "Fix the parser (yield each tensor of the object), or unregister it "
+                    f"with registerCustomArgParser({cls.__name__}, None).") from exc
+    wrong = next((t for t in tensors if not isinstance(t, torch.Tensor)), None)
+    if wrong is not None:
+        raise Error(f"The custom argument parser {type(parser).__name__} registered for "
+                    f"{cls.__name__} yielded a {type(wrong).__name__} from yieldTensors; "
+                    "it must yield torch.Tensor objects only (other fields stay in the "
+                    "object that reconstruct() receives).")
+    return tensors, _Parsed(cls, parser, obj)
+
+
+def _custom_rebuild(tensors, context: _Parsed):
+    if context.parser is None:
+        return context.template
+    return context.parser.reconstruct(context.template, iter(list(tensors)))
+
+
+def _custom_tensors_with_keys(obj) -> tuple:
+    tensors, context = _custom_tensors(obj)
+    return [(pytree.SequenceKey(i), t) for i, t in enumerate(tensors)], context
+
+
+def registerCustomArgParser(arg_data_type: type, arg_parser: Optional[ICustomArgParser]) -> None:
+    """PopTorch's ``registerCustomArgParser``: arguments of type ``arg_data_type`` are
+    flattened into their tensors with ``arg_parser`` and rebuilt for ``forward``.
+
+    A parser already registered for the type is replaced; ``arg_parser=None`` removes it.
+    The arguments are checked before anything changes: a rejected registration registers
+    nothing.
+    """
+    if not isinstance(arg_data_type, type):
+        raise OptionsError(
+            f"registerCustomArgParser(arg_data_type={arg_data_type!r}): arg_data_type must be "
+            f"a class (the type of your batch objects), not a {type(arg_data_type).__name__}; "
+            "nothing was registered.")
+    ours = arg_data_type in _FLATTENED_TYPES
+    if issubclass(arg_data_type, torch.Tensor) or arg_data_type.__module__ == "builtins" or \
+            (not ours and arg_data_type in pytree.SUPPORTED_NODES):
+        raise OptionsError(
+            f"registerCustomArgParser(arg_data_type={arg_data_type.__name__}): "
+            "arg_data_type is a tensor, built-in or container type that ipukit already "
+            "flattens itself; register parsers for your own batch classes only. Nothing was "
+            "registered.")
+    if arg_parser is None:
+        _CUSTOM_ARG_PARSERS.pop(arg_data_type, None)
+        return
+    if not isinstance(arg_parser, ICustomArgParser):
+        raise OptionsError(
+            f"arg_parser must inherit from ICustomArgParser (registerCustomArgParser("
+            f"{arg_data_type.__name__}, {arg_parser!r})): subclass ipukit.ICustomArgParser and "
+            "implement yieldTensors and reconstruct; nothing was registered.")
+    if not ours:
+        pytree.register_pytree_node(
+            arg_data_type, _custom_tensors, _custom_rebuild,
+            serialized_type_name=f"ipukit.custom.{arg_data_type.__module__}."
+                                 f"{arg_data_type.__qualname__}",
+            flatten_with_keys_fn=_custom_tensors_with_keys)
+        _FLATTENED_TYPES.add(arg_data_type)
+    _CUSTOM_ARG_PARSERS[arg_data_type] = arg_parser

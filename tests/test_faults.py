@@ -288,17 +288,25 @@ def test_a_loader_built_for_other_options_warns_at_the_model():
             tm2(x, y)
 
 
-def test_a_destroyed_training_model_no_longer_trains():
+def test_a_destroyed_training_model_recompiles_unless_its_module_was_wrapped_again():
+    # PopTorch: a call after destroy() compiles again; ipukit also wraps the module again
     model = StackNet(1)
     tm = ipukit.trainingModel(model)
     x, y = make_data(4)
     tm(x, y)
     tm.destroy()
     before = clone_model(model)
-    with pytest.raises(ipukit.Error, match="destroyed"):
-        tm(x, y)
-    assert max_weight_diff(model, before) == 0
-    ipukit.trainingModel(model)(x, y)  # the module can be wrapped again
+    tm(x, y)
+    assert tm.isCompiled() and max_weight_diff(model, before) > 0
+    with pytest.raises(ipukit.Error, match="already been wrapped"):
+        ipukit.trainingModel(model)
+    tm.destroy()
+    other = ipukit.trainingModel(model)  # the module can be wrapped again
+    other(x, y)
+    before = clone_model(model)
+    with pytest.raises(ipukit.Error, match="already been wrapped.*another training model"):
+        tm(x, y)  # two training wrappers of one module never both train
+    assert max_weight_diff(model, before) == 0 and not tm.isCompiled()
 
 
 # -- raw tracebacks that became ipukit errors -----------------------------------------------

@@ -8,6 +8,7 @@ result is one frozen :class:`~ipukit.program.Program`.
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import time
 from typing import Any, List, Optional
@@ -18,7 +19,8 @@ from .._torch import pytree
 from ..core import anchors, batching as microbatch
 from . import partition
 from .. import schedules
-from ..core.errors import Error, InputShapeError, OptionsError, PipelineConfigError, TracingError
+from ..core.errors import (Error, InputShapeError, ModelStateError, OptionsError,
+                           PipelineConfigError, TracingError)
 from ..core.options import Options
 from .program import Program, signature_of
 from ..core.strategies import ShardedExecution
@@ -38,9 +40,11 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
     mode = microbatch.resolve_output_mode(opts.output_mode, training)
     microbatch.check_period(mode, opts.output_return_period, batching)
     anchors.check(list(opts.anchored_tensors.values()), model, training)
+    check_updatable_buffers(model, opts)
     if opts.random_seed is not None:
         torch.manual_seed(opts.random_seed)
     strategy = opts.execution_strategy
+    before, persistent = module_tensors(model), persistent_names(model)
     try:
         part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy,
                           _several_stages_per_ipu(opts, training))
@@ -48,6 +52,10 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         if "dtype" not in str(exc):
             raise
         raise InputShapeError(f"{exc}\n{dtype_hint(names, flat, model)}") from exc
+    finally:
+        changes = restore_module_tensors(model, before, persistent)
+    if changes:
+        raise ModelStateError(forward_change_message(*changes[0]))
     check_stage_counts(part.num_stages, strategy, opts, training, [st.ipu for st in part.stages],
                        [st.blocks[0] if st.blocks else f"B{st.index + 1}" for st in part.stages])
     _check_loss(part, training)
@@ -56,17 +64,142 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         dev = devices[st.ipu]
         if dev.type != "cpu":
             st.module.to(dev)
+    tensor_inputs = tuple(i for i, v in enumerate(flat) if isinstance(v, torch.Tensor))
+    # The inputs the model changes in place get their own copy per micro-batch from the
+    # wrapper, which writes them back into the caller's tensors after the call; the
+    # executor then passes them as they are (no second copy that would lose the change).
+    mutated = _mutated_input_devices(part, tensor_inputs, devices)
+    part.mutated_inputs = frozenset()
     return Program(
         partition=part, schedule=build_schedule(part, strategy, opts, training),
         training=training, devices=devices, batching=batching, output_mode=mode,
         output_period=opts.output_return_period, input_names=tuple(names), in_spec=spec,
         signature=signature_of(flat, batching.factor),
         shapes=tuple((v.shape, v.dtype) if isinstance(v, torch.Tensor) else None for v in flat),
-        tensor_inputs=tuple(i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)),
+        tensor_inputs=tensor_inputs,
         reduction=opts.Training.accumulation_and_replication_reduction_type,
         threads_per_worker=opts.cpu_threads_per_ipu,
         offload_optimizer=training and not opts.TensorLocations.on_chip("optimizer"),
-        record=opts.record_timeline, compile_seconds=time.perf_counter() - started)
+        record=opts.record_timeline, compile_seconds=time.perf_counter() - started,
+        mutated_inputs=mutated, module_tensors=tuple(module_tensors(model).items()))
+
+
+def _mutated_input_devices(part: partition.Partition, tensor_inputs, devices) -> dict:
+    """Flat position of each input the model changes in place -> the device of the first
+    stage that reads it (the wrapper puts that input's copies there)."""
+    found = {}
+    for index in sorted(part.mutated_inputs):
+        if index >= len(tensor_inputs):
+            continue
+        device = next((devices.get(st.ipu, torch.device("cpu")) for st in part.stages
+                       for ref in st.args if ref.kind == "input" and ref.index == index),
+                      torch.device("cpu"))
+        found[tensor_inputs[index]] = device
+    return found
+
+
+# -- the module's parameters and buffers: what a compiled model holds ------------------
+
+def module_tensors(model: torch.nn.Module) -> dict:
+    """``(kind, name) -> tensor`` for every parameter and buffer of ``model``; ``kind`` is
+    ``"Parameter"`` or ``"Buffer"`` (PopTorch's words in its messages)."""
+    found = {("Buffer", n): b for n, b in model.named_buffers()}
+    found.update({("Parameter", n): p for n, p in model.named_parameters()})
+    return found
+
+
+def changed_tensors(model: torch.nn.Module, compiled) -> list:
+    """``(kind, name, how)`` for each compiled parameter or buffer that the module no longer
+    holds: ``how`` is ``"removed"`` or ``"reassigned"`` (another tensor in its place)."""
+    now = module_tensors(model)
+    changes = []
+    for (kind, name), tensor in (compiled.items() if isinstance(compiled, dict) else compiled):
+        current = now.get((kind, name))
+        if current is None:
+            changes.append((kind, name, "removed"))
+        elif current is not tensor:
+            changes.append((kind, name, "reassigned"))
+    return changes
+
+
+def put_back(model: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor,
+             persistent: bool = True) -> None:
+    """Make ``tensor`` the module's parameter or buffer ``name`` again."""
+    prefix, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(prefix) if prefix else model
+    held = dict(owner.named_parameters(recurse=False) if kind == "Parameter"
+                else owner.named_buffers(recurse=False))
+    if leaf not in held and hasattr(owner, leaf):
+        delattr(owner, leaf)  # a plain attribute took the name: the tensor goes back in
+    if kind == "Parameter" or leaf in held:
+        setattr(owner, leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def persistent_names(model: torch.nn.Module) -> Optional[set]:
+    """The names in ``model``'s state dict (its parameters and persistent buffers); None
+    when the module's ``state_dict`` fails (then every buffer counts as persistent)."""
+    try:
+        return set(model.state_dict(keep_vars=True))
+    except Exception:  # noqa: BLE001 - a module whose state_dict fails
+        return None
+
+
+def restore_module_tensors(model: torch.nn.Module, before: dict,
+                           persistent: Optional[set] = None) -> list:
+    """Put back what running the model's forward (to trace it) removed or reassigned;
+    returns those changes (PopTorch refused such a forward). ``persistent``: the names of
+    :func:`persistent_names` from before, so that a removed buffer comes back as it was."""
+    changes = changed_tensors(model, before)
+    if not changes:
+        return changes
+    if persistent is None:
+        persistent = {name for _, name in before}
+    for kind, name, _ in changes:
+        try:
+            put_back(model, kind, name, before[(kind, name)], name in persistent)
+        except Exception:  # noqa: BLE001 - a submodule that is gone: nothing to put back into
+            pass
+    return changes
+
+
+def forward_change_message(kind: str, name: str, how: str) -> str:
+    """PopTorch's message for a forward that removes or reassigns a parameter or buffer."""
+    if how == "removed":
+        text = (f"{kind} {name} is removed from the model when calling the forward method.")
+    else:
+        text = (f"{kind} {name} is reassigned within the model when calling the forward "
+                "method. This is not supported. Consider using "
+                f"self.{name}.copy_(src) to copy data from a source tensor, where src is "
+                "the name of the source tensor.")
+    return (f"{text} The compiled model keeps using the {kind.lower()}s it was compiled "
+            f"with, so forward must change a {kind.lower()} in place (copy_, add_, ...), "
+            f"never assign or delete it. The module's {kind.lower()}s were put back as they "
+            "were.")
+
+
+def updatable_buffers(opts: Options) -> Optional[List[str]]:
+    """The buffer names given to ``Options.updatableNamedBuffers`` (None when not set)."""
+    names = opts.toDict().get("ignored", {}).get("updatableNamedBuffers")
+    if names is None:
+        return None
+    return [names] if isinstance(names, str) else list(names)
+
+
+def check_updatable_buffers(model: torch.nn.Module, opts: Options) -> None:
+    """``Options.updatableNamedBuffers`` must name buffers the model has (PopTorch failed
+    the compile otherwise)."""
+    names = updatable_buffers(opts)
+    if not names:
+        return
+    have = {n for n, _ in model.named_buffers()}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise OptionsError(
+            f"Options.updatableNamedBuffers({names}): {type(model).__name__} has no buffer "
+            f"named {', '.join(repr(m) for m in missing)}; its buffers are "
+            f"{sorted(have) or 'none'}. Name buffers as model.named_buffers() spells them.")
 
 
 def _on_weights_device(model: torch.nn.Module, sample: List[Any]) -> List[Any]:
@@ -111,8 +244,11 @@ def _partition(model: torch.nn.Module, sample, spec, strategy,
         if strategy.stages:
             raise
         part = partition.eager(model, sample, spec)
+        # the discovery run is the model's forward for real: give it copies, so that a model
+        # that changes its inputs in place changes them once per call, not once more here
+        own = [v.clone() if isinstance(v, torch.Tensor) else v for v in sample]
         with partition.recording_blocks(strategy) as rec:
-            partition.discover_eager_outputs(part, sample)
+            partition.discover_eager_outputs(part, own)
         if len(rec.segments) > 1:
             raise trace_error
         return part
@@ -181,34 +317,153 @@ def build_schedule(part: partition.Partition, strategy, opts: Options,
     return schedules.build(kind, n, o.device_iterations, 1, stage_ipus)
 
 
-def check_signature(program: Program, flat, spec) -> None:
-    """Say how a call's inputs differ from those the program was compiled for."""
-    old_spec, old_sig = program.in_spec, program.signature
-    if spec == old_spec:  # a batch that is no multiple of the combined batch: say so first
-        microbatch.split(flat, program.batching, program.input_names)
-    factor = program.batching.factor
-    new_sig = signature_of(flat, factor)
-    if spec != old_spec or len(new_sig) != len(old_sig):
-        raise InputShapeError(
-            "The model was compiled for inputs of another structure (number or nesting of "
-            "arguments changed). Call it with the same arguments it was compiled with, or "
-            "call model.destroy() and wrap it again.")
-    for name, old, new in zip(program.input_names, old_sig, new_sig):
-        if old != new:
-            if old[0] == "tensor" and new[0] == "tensor":
-                old_shape = (old[1][0] * factor,) + old[1][1:] if old[1] else old[1]
-                raise InputShapeError(
-                    f"Input {name!r} changed after compile: the model was compiled for "
-                    f"{list(old_shape)} ({old[2]}) per call, i.e. micro-batches of "
-                    f"{list(old[1])}, and now gets micro-batches of {list(new[1])} "
-                    f"({new[2]}). A compiled model, as in PopTorch, runs one input shape: "
-                    "keep batches the same size (ipukit.DataLoader drops the incomplete "
-                    "last batch by default), or call model.destroy() and wrap the model "
-                    "again for the new shape.")
-            raise InputShapeError(
-                f"Input {name!r} changed after compile (was {old[1]}, now {new[1]}). "
-                "Non-tensor inputs are fixed at compile time; call model.destroy() and wrap "
-                "the model again.")
+def input_change(program: Program, model: torch.nn.Module, flat, spec, args, kwargs) -> str:
+    """How a call's inputs differ from those ``program`` was compiled for, in PopTorch's
+    words (``Shape mismatch for x: expected torch.Size([8, 8]) but got torch.Size([12, 8])``).
+
+    PopTorch raised these as errors; ipukit recompiles for the new inputs and warns with
+    this text. What stays an error is raised here, before anything is recompiled: a batch
+    that is not a multiple of the combined batch (``BatchSizeError``), a 0-d input when a
+    call consumes several micro-batches.
+    """
+    names = input_names(model, args, kwargs)
+    microbatch.split(flat, program.batching, names)
+    old = list(zip(program.shapes, program.signature))
+    found: List[str] = []
+    _spec_changes(program.in_spec, spec, _top_names(model, args), iter(old), iter(flat), found)
+    if not found:
+        found.append("the inputs' structure changed")
+    shown = found[:4]
+    if len(found) > len(shown):
+        shown.append(f"and {len(found) - len(shown)} more")
+    return "; ".join(shown)
+
+
+def _top_names(model: torch.nn.Module, args) -> List[str]:
+    """Names of the positional arguments (``forward``'s parameter names where known)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+    return [positional[i] if i < len(positional)
+            else f"*{star}[{i - len(positional)}]" if star else f"args[{i}]"
+            for i in range(len(args))]
+
+
+def _describe_leaf(value) -> str:
+    if value is None:
+        return "None"
+    return "torch.Tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _children(spec) -> list:
+    """A pytree spec's child specs (``child(i)`` in newer torch, ``children_specs`` before)."""
+    if hasattr(spec, "child"):
+        return [spec.child(i) for i in range(spec.num_children)]
+    return list(spec.children_specs)
+
+
+def _skip(spec, leaves) -> None:
+    """Advance ``leaves`` past the leaves of ``spec``."""
+    for _ in range(spec.num_leaves):
+        next(leaves, None)
+
+
+def _spec_changes(old, new, top: List[str], old_leaves, new_leaves, found: List[str],
+                  path: str = "") -> None:
+    """Walk the compiled and the new input structure side by side; note each difference."""
+    if old.is_leaf() and new.is_leaf():
+        (shape, sig), value = next(old_leaves), next(new_leaves)
+        name = path or "input"
+        if shape is None:  # compiled for a non-tensor value
+            if isinstance(value, torch.Tensor):
+                found.append(f"Type mismatch for {name}: expected {sig[1]} but got torch.Tensor")
+            elif repr(value) != sig[1]:
+                found.append(f"Value mismatch for {name}: expected {sig[1]} but got {value!r}")
+        elif not isinstance(value, torch.Tensor):
+            found.append(f"Type mismatch for {name}: expected torch.Tensor but got "
+                         f"{_describe_leaf(value)}")
+        elif value.dtype != shape[1]:
+            found.append(f"Data type mismatch for {name}: expected {shape[1]} but got "
+                         f"{value.dtype}")
+        elif value.shape != shape[0]:
+            found.append(f"Shape mismatch for {name}: expected {shape[0]} but got {value.shape}")
+        return
+    if old.is_leaf() or new.is_leaf() or old.type is not new.type:
+        if old.is_leaf():
+            shape, sig = next(old_leaves)
+            was = "torch.Tensor" if shape is not None else sig[1]
+        else:
+            was = getattr(old.type, "__name__", str(old.type))
+            _skip(old, old_leaves)
+        if new.is_leaf():
+            now = _describe_leaf(next(new_leaves))
+        else:
+            now = getattr(new.type, "__name__", str(new.type))
+            _skip(new, new_leaves)
+        found.append(f"Type mismatch for {path or 'inputs'}: expected {was} but got {now}")
+        return
+    old_children, new_children = _children(old), _children(new)
+    if not path and old.type is tuple and len(old_children) == 2:  # (args, kwargs)
+        a_old, k_old = old_children
+        a_new, k_new = new_children
+        if a_old.num_children != a_new.num_children:
+            found.append("Number of positional arguments mismatch: expected "
+                         f"{a_old.num_children} arguments but got {a_new.num_children}")
+            _skip(old, old_leaves)
+            _skip(new, new_leaves)
+            return
+        for i, (o, n) in enumerate(zip(_children(a_old), _children(a_new))):
+            _spec_changes(o, n, top, old_leaves, new_leaves, found,
+                          top[i] if i < len(top) else f"args[{i}]")
+        _keyed_changes(k_old, k_new, top, old_leaves, new_leaves, found, "", keyword=True)
+        return
+    if old.type in (dict, collections.OrderedDict):
+        _keyed_changes(old, new, top, old_leaves, new_leaves, found, path)
+        return
+    if len(old_children) != len(new_children):
+        found.append(f"Length mismatch for {path}: expected {len(old_children)} elements but "
+                     f"got {len(new_children)}")
+        _skip(old, old_leaves)
+        _skip(new, new_leaves)
+        return
+    if old.context != new.context:  # a namedtuple's fields, a custom type's own context
+        found.append(f"Structure mismatch for {path}: the {old.type.__name__} differs from "
+                     "the one the model was compiled with")
+        _skip(old, old_leaves)
+        _skip(new, new_leaves)
+        return
+    for i, (o, n) in enumerate(zip(old_children, new_children)):
+        _spec_changes(o, n, top, old_leaves, new_leaves, found, f"{path}[{i}]")
+
+
+def _keyed_changes(old, new, top, old_leaves, new_leaves, found, path, keyword=False) -> None:
+    """A dict's (or the keyword arguments') differences: keys, then each common key."""
+    old_keys, new_keys = list(old.context), list(new.context)
+    if set(old_keys) != set(new_keys):
+        extra = sorted(map(str, set(new_keys) - set(old_keys)))
+        missing = sorted(map(str, set(old_keys) - set(new_keys)))
+        details = ([f"Unexpected arguments: {', '.join(extra)}"] if extra else []) + \
+                  ([f"Missing arguments: {', '.join(missing)}"] if missing else [])
+        found.append(f"Keys mismatch for {path or 'named arguments'}: {'. '.join(details)}")
+    elif old_keys != new_keys and not keyword:
+        found.append(f"Keys order mismatch for {path}: expected {old_keys} but got {new_keys}")
+    # walk the common keys (leaves of the others are skipped)
+    new_at = dict(zip(new_keys, _children(new)))
+    old_leaf_lists = []
+    for key, spec in zip(old_keys, _children(old)):
+        old_leaf_lists.append((key, spec, [next(old_leaves) for _ in range(spec.num_leaves)]))
+    new_leaf_map = {}
+    for key, spec in zip(new_keys, _children(new)):
+        new_leaf_map[key] = [next(new_leaves) for _ in range(spec.num_leaves)]
+    for key, spec, leaves in old_leaf_lists:
+        if key not in new_at:
+            continue
+        name = str(key) if keyword else f"{path}[{key!r}]"
+        _spec_changes(spec, new_at[key], top, iter(leaves), iter(new_leaf_map[key]), found,
+                      name)
 
 
 def devices_for(ipus: List[int], mapping: Optional[List[str]]) -> dict:

@@ -3,8 +3,10 @@
 Compiling (:mod:`ipukit.compiler`) turns a model, its Options and a first batch
 into a ``Program``: the partition into stages, how tensors route between them
 and to the host, the torch device of each virtual IPU, the schedule of a call,
-its batching and output selection, and the input signature later calls must
-match. The executor, the memory and profile reports, the split balancer and
+its batching and output selection, the input signature it was compiled for (a
+call with other inputs gets a new Program: the wrapper recompiles), the inputs
+the model changes in place, and the parameter and buffer tensors its stages
+hold. The executor, the memory and profile reports, the split balancer and
 the widgets read it through these public fields — nothing reads a model
 wrapper's private attributes. A Program never changes once built; replicas'
 own copies of stage modules (``replica_modules``) are the one cache it fills.
@@ -45,6 +47,12 @@ class Program:
     offload_optimizer: bool = False
     record: bool = True
     compile_seconds: float = 0.0
+    # flat position of each input the model changes in place -> the device its per-micro-batch
+    # copies go to (the wrapper makes them and writes them back into the caller's tensors)
+    mutated_inputs: Dict[int, torch.device] = field(default_factory=dict)
+    # ((kind, name), tensor) for every parameter ("Parameter") and buffer ("Buffer") of the
+    # module when it was compiled: the tensors the stages hold
+    module_tensors: Tuple[Tuple[Tuple[str, str], torch.Tensor], ...] = ()
     # derived in __post_init__
     consumers: List[List[Tuple[int, int, int]]] = field(init=False)
     host_outputs: List[List[Tuple[int, int]]] = field(init=False)
@@ -133,9 +141,10 @@ class Program:
                 "'return output, loss').")
         return loss
 
-    # -- what later calls must match -------------------------------------------------
+    # -- what a call must match to run without recompiling ---------------------------
     def same_inputs(self, flat: List[Any], spec) -> bool:
-        """The cheap check on every call: same structure, shapes and dtypes as compiled."""
+        """The cheap check on every call: same structure, shapes and dtypes as compiled
+        (otherwise the wrapper recompiles, saying why)."""
         if len(flat) != len(self.shapes) or spec != self.in_spec:
             return False
         for v, expected, sig in zip(flat, self.shapes, self.signature):

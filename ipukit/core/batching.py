@@ -78,6 +78,13 @@ def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str])
 
 
 def _join(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """Micro-batch outputs joined on dimension 0 (scalars stacked), PopTorch's batched output.
+
+    One tensor is returned as it is: PopTorch batched an output only when more than one
+    micro-batch (or replica) was returned, so a 0-d output stays 0-d.
+    """
+    if len(tensors) == 1:
+        return tensors[0]
     if tensors[0].dim() == 0:
         return torch.stack(tensors)
     return torch.cat(tensors, dim=0)
@@ -131,8 +138,10 @@ def gather(per_microbatch: List[list], mode: OutputMode, period: int,
     order). Shapes follow PopTorch: ``All`` concatenates every micro-batch on
     dimension 0 (scalars are stacked), ``Final`` keeps the last step,
     ``EveryN`` every ``period``-th step, ``Sum`` adds all steps; replicas are
-    concatenated, and a single replica's ``Final``/``Sum`` keeps the
-    micro-batch shape (a 0-d loss stays 0-d).
+    concatenated. PopTorch's rule: an output is batched only when the call returns more
+    than one of it (``All``: DI × GA × R, ``EveryN``: DI × GA × R / N, ``Final`` and
+    ``Sum``: R); when it returns one, it keeps the micro-batch shape, so a 0-d input or
+    loss gives a 0-d output.
     """
     R = batching.replicas
     steps = batching.steps
