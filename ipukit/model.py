@@ -30,8 +30,9 @@ import torch
 import torch.utils.hooks
 from ._torch import pytree
 
-from .core import anchors, batching as microbatch
+from .core import anchors, batching as microbatch, optim
 from .compile import compiler
+from .core.blocks import module_repr
 from .core.enums import OutputMode
 from .core.errors import (Error, InputShapeError, ModelStateError, OptionsError,
                           PipelineConfigError, UnsupportedError)
@@ -67,6 +68,12 @@ ALREADY_WRAPPED = ("Model has already been wrapped in 'ipukit.trainingModel'. Ca
 
 NOT_COMPILED = ("Model has not been compiled or has been destroyed: call it (or "
                  "model.compile(*inputs)) first.")
+
+
+def _name_parameters(optimizer, model: torch.nn.Module) -> None:
+    """PopTorch's optimisers name their IPU state after the model's parameters."""
+    if isinstance(optimizer, optim.Optimizer):
+        optimizer.bind_parameter_names(model.named_parameters())
 
 
 def _check_optimizer(optimizer, model: torch.nn.Module) -> None:
@@ -106,12 +113,12 @@ def _checked_arguments(model: torch.nn.Module, options: Optional[Options], train
         opts.outputMode(microbatch.resolve_output_mode(OutputMode.Default, training))
     if not training:
         if opts.Training.gradient_accumulation != 1:
-            msg = ("You must set ipukit.Options().Training.gradientAccumulation to 1 or leave "
-                   "it as its default value (1) when running an ipukit.inferenceModel() "
-                   f"(got {opts.Training.gradient_accumulation}).")
+            msg = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
+                   "it as its default value (1) when running a poptorch.inferenceModel().")
             if not opts.is_sharded:
-                msg += (" Use ipukit.Options().deviceIterations() to process a sufficient "
+                msg += (" Use poptorch.Options().deviceIterations to process a sufficient "
                         "number of batches each run for pipelined execution instead.")
+            msg += f" (ipukit got gradientAccumulation({opts.Training.gradient_accumulation}).)"
             raise PipelineConfigError(msg)
         if optimizer is not None:
             raise OptionsError("An inference model takes no optimizer.")
@@ -124,6 +131,7 @@ def _checked_arguments(model: torch.nn.Module, options: Optional[Options], train
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         _check_optimizer(optimizer, model)
+    _name_parameters(optimizer, model)
     opts.freeze()
     return opts, optimizer
 
@@ -178,8 +186,8 @@ class PoplarExecutor:
     __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = __getstate__ = _not_copyable
 
     def __repr__(self) -> str:
-        kind = "trainingModel" if self._training else "inferenceModel"
-        return f"ipukit.{kind}({self._user_model!r})"
+        """The wrapped module, its BeginBlocks shown (PopTorch's ``module_repr``)."""
+        return module_repr(self._user_model)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -348,8 +356,12 @@ class PoplarExecutor:
         micro = microbatch.split(flat, batching, program.input_names)
         if program.mutated_inputs:
             _own_copies(micro, program.mutated_inputs)
-        program.prepare_replicas(batching.replicas)
-        snapshot = self._snapshot.capture(self._user_model, self._optimizer, self._training)
+        program.prepare_replicas(batching.replicas, self._options.broadcast_buffers)
+        state = self._user_model
+        if not self._options.broadcast_buffers and program.replica_modules:
+            # replicas keep their own buffers across calls: a failed call restores them too
+            state = torch.nn.ModuleList([self._user_model, *program.replica_modules.values()])
+        snapshot = self._snapshot.capture(state, self._optimizer, self._training)
         recorder = self._anchor_recorder(batching)
         runner = CallRunner(program, program.schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,
@@ -370,7 +382,8 @@ class PoplarExecutor:
             _write_back(callers, micro, program.mutated_inputs)
         result = _outputs(program, runner.results, micro)
         if recorder is not None:
-            self._anchored = recorder.results(program.output_mode, batching)
+            self._anchored = recorder.results(program.output_mode, batching,
+                                              program.output_period)
         self._calls += 1
         if program.record:
             self._keep_timeline(_call_timeline(self, runner, flat, t_call, t_run, t_gather))
@@ -531,6 +544,7 @@ class PoplarExecutor:
             raise ModelStateError("setOptimizer(): an inference model has no optimizer.")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise OptionsError(f"setOptimizer({optimizer!r}): expected a torch.optim.Optimizer.")
+        _name_parameters(optimizer, self._user_model)
         self._optimizer = optimizer
 
     def destroy(self) -> None:

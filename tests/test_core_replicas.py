@@ -116,3 +116,43 @@ def test_inference_replicas_use_the_latest_host_statistics():
     want = torch.cat([model(x[i * 4:(i + 1) * 4]) for i in range(4)])
     assert torch.allclose(second, want, atol=1e-5)
     assert not torch.allclose(first, second, atol=1e-3)
+
+
+class _Accumulates(torch.nn.Module):
+    """A buffer that adds each call's input (the repro of issue 25)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buffer", torch.zeros(1, 2))
+
+    def forward(self, x):
+        self.buffer.copy_(self.buffer + x)
+        return ipukit.identity_loss(self.buffer, reduction="none")
+
+
+def test_unbroadcast_buffers_stay_each_replicas_own():
+    """broadcastBuffers(False): replica 0 adds 9 per call, replica 1 adds 2, for 50 calls."""
+    opts = ipukit.Options().replicationFactor(2).deviceIterations(1).broadcastBuffers(False)
+    model = _Accumulates()
+    im = ipukit.inferenceModel(model, opts)
+    x = torch.tensor([[9.0], [2.0]])
+    for _ in range(50):
+        out = im(x)
+    assert out.tolist() == [[450.0, 450.0], [100.0, 100.0]]
+    assert model.buffer.tolist() == [[450.0, 450.0]]   # the host holds replica 0's
+
+
+def test_broadcast_buffers_restart_every_replica_from_the_host():
+    """The default (PopTorch's broadcastBuffers(True)): each call starts from replica 0's."""
+    opts = ipukit.Options().replicationFactor(2)
+    model = _Accumulates()
+    im = ipukit.inferenceModel(model, opts)
+    x = torch.tensor([[9.0], [2.0]])
+    im(x)
+    out = im(x)
+    assert out.tolist() == [[18.0, 18.0], [11.0, 11.0]]
+
+
+def test_broadcast_buffers_refuses_a_non_bool():
+    with pytest.raises(ipukit.Error, match="broadcastBuffers"):
+        ipukit.Options().broadcastBuffers("no")

@@ -334,10 +334,15 @@ def test_a_model_without_parameters_cannot_train():
         ipukit.trainingModel(NoParams())(*make_data(4))
 
 
-def test_integer_data_into_float_layers_names_the_dtypes():
-    x, y = make_data(4)
-    with pytest.raises(ipukit.Error, match="torch.int64"):
-        ipukit.trainingModel(StackNet(1))(x.long(), y)
+def test_integer_data_into_float_layers_is_cast_to_the_weights_type_as_in_poptorch():
+    """PopTorch resolved integer activations meeting float weights by casting them (its
+    type rules; ipukit.compile.partition.MixedPrecision): no dtype error, eager's values."""
+    x, _ = make_data(4)
+    torch.manual_seed(0)
+    net = StackNet(1)
+    out = ipukit.inferenceModel(net)(x.long())
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, net(x.long().float()), atol=1e-6)
 
 
 @pytest.mark.parametrize("blocks", [1, 2])

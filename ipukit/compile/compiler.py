@@ -19,7 +19,7 @@ from .._torch import pytree
 from ..core import anchors, batching as microbatch
 from . import partition
 from .. import schedules
-from ..core.errors import (Error, InputShapeError, ModelStateError, OptionsError,
+from ..core.errors import (Error, LossError, InputShapeError, ModelStateError, OptionsError,
                            PipelineConfigError, TracingError)
 from ..core.options import Options
 from .program import Program, signature_of
@@ -39,7 +39,8 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
     micro = microbatch.split(flat, batching, names)
     mode = microbatch.resolve_output_mode(opts.output_mode, training)
     microbatch.check_period(mode, opts.output_return_period, batching)
-    anchors.check(list(opts.anchored_tensors.values()), model, training)
+    anchors.check(list(opts.anchored_tensors.values()), model, training, batching, mode,
+                  opts.output_return_period)
     check_updatable_buffers(model, opts)
     if opts.random_seed is not None:
         torch.manual_seed(opts.random_seed)
@@ -47,7 +48,7 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
     before, persistent = module_tensors(model), persistent_names(model)
     try:
         part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy,
-                          _several_stages_per_ipu(opts, training))
+                          _several_stages_per_ipu(opts, training), training)
     except TracingError as exc:
         if "dtype" not in str(exc):
             raise
@@ -216,8 +217,9 @@ def _check_loss(part: partition.Partition, training: bool) -> None:
         return
     n = part.num_stages
     if part.loss_output is None:
-        raise Error("A training model must return its loss (a tensor): the model returned "
-                    "no tensor output. Return the loss, e.g. `return output, loss`.")
+        raise LossError("Couldn't find a loss in graph! A training model must return its loss "
+                        "(a tensor): the model returned no tensor output. Return the loss, "
+                        "e.g. `return output, loss`.")
     if n > 1:
         loss_ref = part.outputs[part.loss_output]
         if loss_ref.kind != "stage" or loss_ref.index != n - 1:
@@ -236,10 +238,11 @@ def _several_stages_per_ipu(opts: Options, training: bool) -> bool:
 
 
 def _partition(model: torch.nn.Module, sample, spec, strategy,
-               split_stages: bool = False) -> partition.Partition:
+               split_stages: bool = False, training: Optional[bool] = None
+               ) -> partition.Partition:
     """Trace and split; a model that cannot be traced still runs as one eager stage."""
     try:
-        return partition.trace(model, sample, spec, strategy, split_stages)
+        return partition.trace(model, sample, spec, strategy, split_stages, training=training)
     except TracingError as trace_error:
         if strategy.stages:
             raise
@@ -285,17 +288,17 @@ def check_stage_counts(n: int, strategy, opts: Options, training: bool,
         ga = o.Training.gradient_accumulation
         if ga < needed:
             raise PipelineConfigError(
-                "ipukit.Options().Training.gradientAccumulation must be greater than or "
+                "poptorch.Options().Training.gradientAccumulation must be greater than or "
                 f"equal to the number of pipeline stages ({needed}) when using "
-                f"ipukit.PipelinedExecution (got {ga}). Please note that a model with {n} "
-                f"pipeline stages in ipukit (as in PopTorch) will have an additional {n - 1} "
-                f"stages when training. Set gradientAccumulation to {needed} or more, or use "
-                "ipukit.ShardedExecution.")
+                "poptorch.PipelinedExecution. Please note that a model with "
+                f"{n} pipeline stages in PopTorch will have an additional {n - 1} stages when "
+                f"training. ipukit got {ga}: set gradientAccumulation to {needed} or more, "
+                "or use ipukit.ShardedExecution.")
     elif o.device_iterations < n:
         raise PipelineConfigError(
-            "ipukit.Options().deviceIterations must be greater than or equal to the number "
-            f"of pipeline stages ({n}) when using ipukit.PipelinedExecution (got "
-            f"{o.device_iterations}). Set deviceIterations to {n} or more, or use "
+            "poptorch.Options().deviceIterations must be greater than or equal to the number "
+            f"of pipeline stages ({n}) when using PopTorch.PipelinedExecution. ipukit got "
+            f"{o.device_iterations}: set deviceIterations to {n} or more, or use "
             "ipukit.ShardedExecution.")
 
 
@@ -327,6 +330,7 @@ def input_change(program: Program, model: torch.nn.Module, flat, spec, args, kwa
     call consumes several micro-batches.
     """
     names = input_names(model, args, kwargs)
+    check_inputs(names, flat)
     microbatch.split(flat, program.batching, names)
     old = list(zip(program.shapes, program.signature))
     found: List[str] = []

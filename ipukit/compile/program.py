@@ -99,7 +99,7 @@ class Program:
         mine = self.replica_modules.get((stage, replica))
         return self.partition.stages[stage].module if mine is None else mine
 
-    def prepare_replicas(self, replicas: int) -> None:
+    def prepare_replicas(self, replicas: int, broadcast: bool = True) -> None:
         """Give replicas 1.. their own buffers, starting from the host's (replica 0's).
 
         Replicas share the weights, but each has its own buffers (BatchNorm
@@ -107,7 +107,9 @@ class Program:
         its own micro-batches, and replicas never race on one tensor. Replica 0
         runs the user's modules, so the host keeps replica 0's statistics.
         Called before each call's workers start: copies are made once, then
-        refreshed from the host, so they never go stale.
+        refreshed from the host (``broadcast``, PopTorch's ``broadcastBuffers(True)``), so
+        they never go stale; with ``broadcast=False`` each replica keeps its own buffers
+        from call to call, as IPU replicas did.
         """
         if replicas <= 1:
             return
@@ -121,9 +123,10 @@ class Program:
                     shared = {id(p): p for p in original.parameters()}  # deepcopy keeps these
                     self.replica_modules[(index, replica)] = copy.deepcopy(original, shared)
                     continue
-                with torch.no_grad():
-                    for theirs, own in zip(original.buffers(), mine.buffers()):
-                        own.copy_(theirs)
+                if broadcast:
+                    with torch.no_grad():
+                        for theirs, own in zip(original.buffers(), mine.buffers()):
+                            own.copy_(theirs)
                 for theirs, own in zip(original.modules(), mine.modules()):
                     own.training = theirs.training
 
@@ -152,7 +155,7 @@ class Program:
                 if isinstance(v, torch.Tensor) or repr(v) != sig[1]:
                     return False
             elif not isinstance(v, torch.Tensor) or v.shape != expected[0] \
-                    or v.dtype != expected[1]:
+                    or v.dtype != expected[1] or v.is_meta:
                 return False
         return True
 

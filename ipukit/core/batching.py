@@ -56,10 +56,16 @@ def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str])
                 "gradientAccumulation), so every input needs a batch dimension to split. "
                 "Give it one (e.g. x.reshape(1) per micro-batch, stacked), or use a combined "
                 "batch of 1.")
+        if 0 in value.shape[1:]:
+            raise BatchSizeError(
+                f"Zero-sized tensors are unsupported (Got shape "
+                f"[{', '.join(map(str, value.shape))}]). The input {name} holds no elements; "
+                "give every dimension at least one element.")
         size = value.shape[0]
         if size == 0:
             raise BatchSizeError(
-                f"Invalid batch dimension: the input {name} of shape {tuple(value.shape)} holds "
+                f"Zero-sized tensors are unsupported (Got shape "
+                f"[{', '.join(map(str, value.shape))}]). The input {name} holds "
                 f"no samples; each call needs {factor} micro-batches of at least one sample. "
                 "Skip empty batches (ipukit.DataLoader never yields one).")
         if size % factor != 0:

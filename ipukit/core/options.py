@@ -297,7 +297,7 @@ class Options(_IgnoredGroup):
         "syncPattern", "useIpuId", "enableStableNorm",
         "setAvailableMemoryProportion", "enableProfiling", "showCompilationProgressBar",
         "logCycleCount", "useOfflineIpuTarget", "updatableNamedBuffers", "maxRepeatLogs",
-        "setExecutionStrategyPhased", "broadcastBuffers", "inputReplicaGrouping",
+        "setExecutionStrategyPhased", "inputReplicaGrouping",
         "relaxOptimizerAttributesChecks", "disableModuleNamescope",
         "enableProgressBar", "useIpuModelVersion",
     )
@@ -316,6 +316,7 @@ class Options(_IgnoredGroup):
         self.device_mapping: Optional[List[str]] = None
         self.cpu_threads_per_ipu: Optional[int] = None
         self.record_timeline = True
+        self.broadcast_buffers = True
         self.profile_dir: Optional[str] = None
         self.model_name: Optional[str] = None
         self.anchored_tensors: Dict[str, Anchor] = {}
@@ -402,6 +403,7 @@ class Options(_IgnoredGroup):
             "output_return_period": self.output_return_period,
             "random_seed": self.random_seed,
             "connection_type": self.connection_type.name,
+            "broadcast_buffers": self.broadcast_buffers,
             "execution_strategy": self._execution_strategy._to_dict(),
             "Training": self.Training.toDict(),
             "TensorLocations": self.TensorLocations.toDict(),
@@ -431,7 +433,8 @@ class Options(_IgnoredGroup):
         """PopTorch's order: its values, then ipukit's, then the groups (its properties)."""
         items = [(k, getattr(self, k)) for k in (
             "replication_factor", "device_iterations", "log_dir", "anchored_tensors",
-            "output_mode", "output_return_period", "connection_type", "random_seed")]
+            "output_mode", "output_return_period", "connection_type", "random_seed",
+            "broadcast_buffers")]
         items += [("execution_strategy", self._execution_strategy)]
         items += [(k, getattr(self, k)) for k in (
             "pipeline_schedule", "device_mapping", "cpu_threads_per_ipu", "record_timeline",
@@ -587,6 +590,15 @@ class Options(_IgnoredGroup):
         if threads is not None:
             threads = _positive_int("Options", "cpuThreadsPerIpu", threads)
         self.cpu_threads_per_ipu = threads
+        return self
+
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> "Options":
+        """Whether every replica starts each call from the host's buffers (PopTorch's default)
+        or keeps its own across calls (``False``: e.g. per-replica BatchNorm statistics)."""
+        self._check_not_frozen(f"broadcastBuffers({broadcast_buffers!r})")
+        if not isinstance(broadcast_buffers, bool):
+            raise OptionsError(f"broadcastBuffers({broadcast_buffers!r}): expected True or False.")
+        self.broadcast_buffers = broadcast_buffers
         return self
 
     def recordTimeline(self, enabled: bool = True) -> "Options":

@@ -58,7 +58,6 @@ class ActionRunner:
         device = plan.device_of(a.stage)
         k = self.index(a, replica)
         inputs = self.micro_inputs[k]
-        mutated = plan.partition.mutated_inputs
         hooked = False
         args = []
         for pos, ref in enumerate(stage.args):
@@ -66,8 +65,6 @@ class ActionRunner:
                 v = inputs[plan.tensor_inputs[ref.index]]
                 if v.device != device:
                     v = v.to(device)
-                elif ref.index in mutated:  # changed in place: its own copy (see partition)
-                    v = v.clone()
             elif ref.kind == "stage":
                 v = self.exchange.take(("A", a.stage, pos, a.iteration, a.micro_batch, replica))
                 if self.fused is not None:
