@@ -51,7 +51,8 @@ def _run(layout, di, ga, r, schedule="1F1B", opt_cls=torch.optim.SGD, opt_kwargs
         ref, opt_cls(ref.parameters(), **opt_kwargs), x, y, device_iterations=di,
         gradient_accumulation=ga, replicas=r,
         reduction="mean" if reduction == ipukit.ReductionType.Mean else "sum", calls=calls)
-    return model, ref, torch.cat(losses), torch.stack(ref_losses), tm
+    # one value per call stays 0-d (PopTorch's output shapes): flatten before joining calls
+    return model, ref, torch.cat([l.reshape(-1) for l in losses]), torch.stack(ref_losses), tm
 
 
 CASES = []

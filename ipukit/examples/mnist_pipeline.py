@@ -167,8 +167,8 @@ def training_options(args: argparse.Namespace,
         opts.TensorLocations.setOptimizerLocation(
             ipukit.TensorLocationSettings().useOnChipStorage(False))
     if args.profile:
-        if importlib.util.find_spec("ipukit.profile") is None:
-            raise UsageError("--profile needs ipukit.profile (the trace and report writer), "
+        if importlib.util.find_spec("ipukit.viz.profile") is None:
+            raise UsageError("--profile needs ipukit.viz.profile (the trace and report writer), "
                              "which this ipukit installation does not have.")
         opts.profileDir(args.profile_dir)
     return opts
