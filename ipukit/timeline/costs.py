@@ -101,11 +101,15 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     on_ipu = {i: ipus.count(i) for i in set(ipus)}
     # the executor steps once on the host for every stage; spread over a lane's stages
     step = [table.step / on_ipu[ipus[s]] if training else 0.0 for s in range(N)]
+    # a split backward: I then W. The first stage's inputs are the data, which need no
+    # gradient: its I computes nothing (only the pass), its W is the whole backward
+    # (measured: 0.01 ms of I against 2.65 ms of W for the convnet's first stage)
+    share = [1.0 if s == 0 else table.weight_share for s in range(N)]
     costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step,
-             INPUT_GRAD: [(b - table.per_pass) * (1 - table.weight_share) + table.per_pass
-                          for b in bwd],
-             WEIGHT_GRAD: [(b - table.per_pass) * table.weight_share + table.per_pass
-                           for b in bwd]}
+             INPUT_GRAD: [(b - table.per_pass) * (1 - w) + table.per_pass
+                          for b, w in zip(bwd, share)],
+             WEIGHT_GRAD: [(b - table.per_pass) * w + table.per_pass
+                           for b, w in zip(bwd, share)]}
     transfers = {FORWARD: [table.handoff if s and ipus[s - 1] != ipus[s] else 0.0
                            for s in range(N)],
                  BACKWARD: [table.handoff if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0
