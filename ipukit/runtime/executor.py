@@ -28,6 +28,7 @@ from ..compile.program import Program
 from ..schedules.ir import Schedule
 from ..timeline.events import Event, Timeline
 from .abort import abort_call
+from .contract import step_events
 from .workers import Aborted, Exchange, InterruptGuard, Pool
 
 __all__ = ["Aborted", "CallRunner", "Exchange", "StateSnapshot", "default_threads"]
@@ -108,14 +109,9 @@ class CallRunner:
 
     def _record_step(self, iteration, t_start, t_opt, t_end, transfers) -> None:
         """The step runs once, on the host; the timeline draws it on every virtual IPU it updates."""
-        t0, call = self.t0, self.call_index
-        events = [Event(st.index, "step", -1, t_opt - t0, t_end - t0, st.ipu, r, iteration, call)
-                  for r in range(self.replicas) for st in self.plan.partition.stages]
-        events += [Event(-1, "transfer", -1, a - t0, b - t0, -1, 0, iteration, call)
-                   for a, b in transfers]
-        if t_opt - t_start > 0:
-            events.append(Event(-1, "host", -1, t_start - t0, t_opt - t0, -1, 0, iteration, call))
-        self.events.append(events)
+        stages = [(st.index, st.ipu) for st in self.plan.partition.stages]
+        self.events.append(step_events(stages, range(self.replicas), iteration, self.call_index,
+                                       t_start, t_opt, t_end, transfers, self.t0))
 
     def run(self, snapshot: Optional[update.StateSnapshot] = None) -> None:
         """Execute the whole call; on any failure, stop and join every worker, then restore.

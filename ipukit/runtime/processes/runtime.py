@@ -42,11 +42,10 @@ from ..._torch import pytree
 from ...core import batching as microbatch
 from ...core.enums import ReductionType
 from ..gpu_clock import GpuClock
-from ...timeline.events import Event, KIND_NAMES, Timeline
-from ..update import StateSnapshot
+from ...timeline.events import Event, Timeline
+from ..contract import StateSnapshot, abort_call, action_event, gradient_scale, step, step_events
 from .exchange import RowExchange, SpanGather
 from .group import (DistributedError, device_for, is_comm_error, note_failure, peer_failure, ensure_process_group, is_active)
-from ..update import gradient_scale
 from .replicas import ALL_REDUCE, DDP, gradient_sync, sum_over_replicas, under_ddp
 from .stages import (CallContext, StageBody, carry_plan, process_lanes, schedule_runner, timed_stage_class)
 
@@ -223,9 +222,9 @@ class _Recorder:
         else:  # a placeholder (the event appended next), its times written by resolve()
             clock.later(self.events, len(self.events), lay.device, start, clock.mark(lay.device))
             start = end = self.t0
-        self.events.append(Event(stage, KIND_NAMES[kind], micro_batch, start - self.t0,
-                                 end - self.t0, lay.ipu, lay.replica, self.iteration,
-                                 self.call_index))
+        self.events.append(action_event(stage, kind, micro_batch, start - self.t0,
+                                        end - self.t0, lay.ipu, lay.replica, self.iteration,
+                                        self.call_index))
 
     def resolve(self) -> None:
         """The times of this call's CUDA-event spans (one synchronisation of the device)."""
@@ -236,13 +235,10 @@ class _Recorder:
         """The optimiser step of this process's stages (and the gradient scaling before it)."""
         if not self.on:
             return
-        lay, t0 = self.layout, self.t0
-        for s in lay.mine:
-            self.events.append(Event(s, "step", -1, t_opt - t0, t_end - t0, lay.ipu,
-                                     lay.replica, self.iteration, self.call_index))
-        if t_opt - t_start > 0:
-            self.events.append(Event(-1, "host", -1, t_start - t0, t_opt - t0, -1,
-                                     lay.replica, self.iteration, self.call_index))
+        lay = self.layout
+        self.events += step_events([(s, lay.ipu) for s in lay.mine], [lay.replica],
+                                   self.iteration, self.call_index, t_start, t_opt, t_end,
+                                   t0=self.t0)
 
     def finish(self, parts: Callable[[], list], flat: Sequence) -> None:
         """This call's timeline, from ``parts`` (gives (events, call start) per process:
@@ -364,9 +360,14 @@ class _Runtime:
         try:
             return self._run(flat)
         except BaseException:
-            if self.weights_taken:
-                self.weights.restore()
-            snapshot.restore()
+            def restore() -> None:
+                if self.weights_taken:
+                    self.weights.restore()
+                snapshot.restore()
+
+            # the one abort path; this process's work has already stopped (the peers learn
+            # of the failure through the group), so there is nothing left to join here
+            abort_call(lambda: None, lambda _deadline: [], restore)
             raise
 
     def _copy_weights(self) -> None:
@@ -426,16 +427,10 @@ class _Runtime:
         c = self.compiled
         t_start = time.perf_counter()
         self._copy_weights()  # in case no forward named by idle_point ran
-        scale = gradient_scale(c.reduction, self.M * self.layout.dp,
+        scale = gradient_scale(c.reduction, self.M * self.layout.dp, self.loss_scaling,
                                averaged=self.layout.dp if self.replica_sync == DDP else 1)
-        scale /= self.loss_scaling
-        if scale != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        t_opt = time.perf_counter()
-        c.optimizer.step()
-        t_end = time.perf_counter()
+        grads = {i: (p, p.grad) for i, p in enumerate(self.params) if p.grad is not None}
+        t_opt, t_end, _ = step(c.optimizer, grads, scale, offload=False)   # the threads' own
         for p in self.params:
             p.grad = None
         self.recorder.step(t_start, t_opt, t_end)

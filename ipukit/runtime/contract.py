@@ -1,0 +1,59 @@
+"""The call contract both runtimes keep (threads: :mod:`.executor`; processes:
+:mod:`.processes.runtime`), and the one home of each of its parts.
+
+A call, on either runtime:
+
+1. **cuts** the combined batch into micro-batches (:func:`ipukit.core.batching.split`);
+2. **runs** the schedule's actions, each recorded as an :class:`~ipukit.Event` of one
+   timeline type (:func:`action_event`), against a clock shared by every worker;
+3. **steps** the optimiser once per iteration after the flush: the gradients scaled by
+   PopTorch's Mean/Sum rule (:func:`ipukit.runtime.update.gradient_scale`), unscaled,
+   stepped in float32 (:func:`ipukit.runtime.update.step`), recorded on every virtual IPU it
+   updates (:func:`step_events`);
+4. **returns** the rows the output mode keeps (:func:`ipukit.core.batching.returned_steps`,
+   combined by :func:`ipukit.core.batching.gather`);
+5. on an error or an interrupt **stops, joins and restores** through the one abort path
+   (:func:`ipukit.runtime.abort.abort_call`, with :class:`~ipukit.runtime.update.StateSnapshot`),
+   so that the weights, buffers and optimiser state are those from before the call.
+
+What differs between the runtimes is only where the workers live (threads sharing one
+copy of the weights, or processes each holding their stages) and how activations travel
+(mailboxes, or torch.distributed.pipelining's point-to-point messages).
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Tuple
+
+from ..core.batching import gather, returned_steps, split  # noqa: F401  (the contract's parts)
+from ..timeline.events import Event
+from ..timeline.kinds import KIND_NAMES
+from .abort import abort_call  # noqa: F401
+from .update import StateSnapshot, gradient_scale, step  # noqa: F401
+
+
+def action_event(stage: int, kind: str, micro_batch: int, start: float, end: float, ipu: int,
+                 replica: int, iteration: int, call: int) -> Event:
+    """One action's span (``kind`` in the schedule's letters: F, B, I, W), times from t0."""
+    return Event(stage, KIND_NAMES[kind], micro_batch, start, end, ipu, replica, iteration, call)
+
+
+def step_events(stage_ipus: Iterable[Tuple[int, int]], replicas: Sequence[int], iteration: int,
+                call: int, t_start: float, t_opt: float, t_end: float,
+                transfers: Sequence[Tuple[float, float]] = (), t0: float = 0.0) -> List[Event]:
+    """The optimiser step of one iteration as the timeline draws it.
+
+    The step runs once on the host for the stages it updates (``stage_ipus``: (stage,
+    ipu) pairs), so it is drawn on each of their virtual IPUs for each of ``replicas``;
+    the gradient scaling before it is host time, and optimiser-state moves (offload) are
+    transfers. Times are absolute; ``t0`` is the call's clock origin.
+    """
+    pairs = list(stage_ipus)
+    replica0 = replicas[0] if replicas else 0
+    events = [Event(s, "step", -1, t_opt - t0, t_end - t0, ipu, r, iteration, call)
+              for r in replicas for s, ipu in pairs]
+    events += [Event(-1, "transfer", -1, a - t0, b - t0, -1, replica0, iteration, call)
+               for a, b in transfers]
+    if t_opt - t_start > 0:
+        events.append(Event(-1, "host", -1, t_start - t0, t_opt - t0, -1, replica0,
+                            iteration, call))
+    return events
