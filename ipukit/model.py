@@ -160,6 +160,9 @@ class PoplarExecutor:
         d["_positional_specs"] = {}
         d["_destroyed"] = False
         d["_snapshot"] = StateSnapshot()
+        #: what a runtime keeps for this model between calls (the process runtime's
+        #: stages and group); forgotten by destroy()
+        d["runtime_state"] = {}
         if training:
             _TRAINING_WRAPPERS[model] = weakref.ref(self)
 
@@ -557,7 +560,7 @@ class PoplarExecutor:
         """
         self._destroyed = True
         self._program = None
-        self.__dict__.pop("_ipukit_distributed", None)
+        self.runtime_state.clear()
         self._attached = False
         forget_training_wrapper(self)
 

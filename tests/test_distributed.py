@@ -299,7 +299,7 @@ def test_not_launched_runs_on_threads():
     x, y = make_data(6)
     out, loss = model(x, y)
     assert out.shape == (2, 4) and loss.dim() == 0
-    assert model.isCompiled() and "_ipukit_distributed" not in model._executor.__dict__
+    assert model.isCompiled() and "processes" not in model.runtime_state
 
 
 def test_processes_configured_without_a_launcher_is_a_clear_error(monkeypatch):

@@ -51,6 +51,9 @@ class BlockRecorder:
         self.in_block = False
         self.closed_a_block = False
         self.ops_outside: List[str] = []
+        #: operations after the last block closed stay in it (Lightning's loss in
+        #: ``training_step``, after ``forward``'s blocks); otherwise they are an error
+        self.keep_last_block_open = False
 
     def begin(self, user_id: Optional[str], ipu_id: Optional[int]) -> str:
         if user_id is None:
@@ -81,6 +84,8 @@ class BlockRecorder:
         if self._stack:  # back in the enclosing block
             outer_id, outer_ipu = self._stack[-1]
             self.begin(outer_id, outer_ipu)
+        elif self.keep_last_block_open and self.segments:
+            self.in_block = True   # what follows the last block runs on its IPU
         else:
             self.in_block = False
             self.closed_a_block = True

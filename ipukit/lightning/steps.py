@@ -12,7 +12,6 @@ iterations), so Lightning's own step counting needs no help.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 import torch
@@ -90,31 +89,15 @@ class _StepModule(torch.nn.Module):
             "not possible inside a compiled step.")
 
 
-_kept_open: "weakref.WeakSet" = weakref.WeakSet()   # block recorders already wrapped
-
-
 def _keep_last_block_open(rec) -> None:
     """Operations after the last ``with Block`` closed stay on that block's IPU.
 
     Lightning computes the loss in ``training_step`` after ``forward`` (whose blocks have
     closed), and the Lightning IPU docs' Blocks-in-``forward`` pattern relies on those
-    operations running on the IPU of the block before them. ipukit's core refuses operations
-    outside any block once a block closed; for Lightning steps they join the last block
-    (done by wrapping the public ``pop`` of the trace's block recorder: after it, the
-    recorder is out of every block exactly when ``in_block`` is False).
+    operations running on the IPU of the block before them; ipukit's core refuses
+    operations outside any block once a block closed, unless the recorder is told so.
     """
-    if rec in _kept_open:
-        return
-    _kept_open.add(rec)
-    pop = rec.pop
-
-    def pop_and_stay():
-        pop()
-        if not rec.in_block and rec.segments:
-            rec.in_block = True
-            rec.closed_a_block = False
-
-    rec.pop = pop_and_stay
+    rec.keep_last_block_open = True
 
 
 class StepBridge:

@@ -519,8 +519,8 @@ def maybe_run(model, args: tuple, kwargs: dict):
     opts = model.options
     if not is_active(opts):
         return NOT_DISTRIBUTED
-    d = model.__dict__
-    rt = d.get("_ipukit_distributed")
+    state = model.runtime_state
+    rt = state.get("processes")
     flat, spec = pytree.tree_flatten((args, kwargs))
     started = time.time()
     try:
@@ -539,7 +539,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
                     "replicationFactor.")
             _check_supported(model)
             rt = _Runtime(model, flat)
-            d["_ipukit_distributed"] = rt
+            state["processes"] = rt
         return rt.run(flat)
     except DistributedError as exc:
         if not getattr(exc, "_peer", False):
@@ -573,8 +573,7 @@ def maybe_run(model, args: tuple, kwargs: dict):
 
 def _runtime_of(model) -> Optional[_Runtime]:
     """The runtime of ``model`` (a PoplarExecutor, or ipukit.distributed's wrapper of one)."""
-    model = model.__dict__.get("_executor", model)
-    return model.__dict__.get("_ipukit_distributed")
+    return getattr(model, "runtime_state", {}).get("processes")
 
 
 def timeline_source(model) -> Optional[Callable[[], Optional[Timeline]]]:
