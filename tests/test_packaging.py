@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 
 import pytest
@@ -20,7 +21,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_EXTRAS = ("viz", "examples", "lightning", "hub", "notebooks", "test", "bench")
+README_EXTRAS = ("viz", "examples", "lightning", "hub", "distributed", "notebooks", "test",
+                 "bench")
 
 
 def _pyproject():
@@ -198,3 +200,25 @@ def test_installed_torch_inside_the_range():
     spec = Requirement(_pyproject()["project"]["dependencies"][0]).specifier
     installed = Version(importlib.metadata.version("torch"))
     assert spec.contains(Version(installed.base_version)), installed
+
+
+def test_the_process_runtime_names_its_extra_when_numpy_is_missing(tmp_path):
+    """torch.distributed's object collectives need numpy, which torch does not require:
+    without it, joining a run says which extra to install instead of failing mid-call."""
+    (tmp_path / "numpy.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    code = textwrap.dedent("""
+        import ipukit
+        from ipukit.core.errors import MissingExtraError
+        from ipukit.runtime.processes.group import ensure_process_group
+        try:
+            ensure_process_group(ipukit.Options())
+        except MissingExtraError as exc:
+            print("refused:", exc)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "ipukit[distributed]"' in out.stdout

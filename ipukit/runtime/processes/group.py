@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ...core.errors import Error
+from ...core.errors import Error, needs_extra
 
 _FAILED_KEY = "ipukit/failed"
 
@@ -44,9 +44,28 @@ def _wants_cuda(options) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+#: The oldest torch the process runtime was run against (torch 2.11 runs ipukit's threads,
+#: but its pipeline schedules' step() takes no pre-split micro-batches).
+PROCESS_RUNTIME_TORCH = (2, 14)
+
+
+def torch_release() -> tuple:
+    """torch's (major, minor)."""
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def ensure_process_group(options) -> None:
     """Join the run's process group (gloo on CPU; NCCL for CUDA tensors, gloo for the rest)."""
     import torch.distributed as dist
+
+    with needs_extra("distributed", "ipukit's process runtime (torch.distributed's object "
+                                    "collectives)"):
+        import numpy  # noqa: F401  (torch needs it there, and does not require it itself)
+    if torch_release() < PROCESS_RUNTIME_TORCH:
+        raise Error(
+            f"ipukit's process runtime needs torch {'.'.join(map(str, PROCESS_RUNTIME_TORCH))} "
+            f"or later (its schedules' step(arg_mbs=...)); this is torch {torch.__version__}. "
+            "Run the model on threads (without ipukit-run), or install a newer torch.")
 
     d = options.Distributed
     if dist.is_initialized():
