@@ -15,7 +15,7 @@ import ipukit
 from ipukit.timeline.simulate import model_like, uncontended_costs
 from ipukit.timeline.events import Timeline
 
-from . import anchor, distributed, peers, pipeline_win
+from . import anchor, distributed, passes, peers, pipeline_win
 from .common import (BATCH, Sizes, cores, interleaved, median, paired_ratio, threads, timed,
                      verdict)
 from .models import (PlainStep, balanced_data, balanced_ipukit, tiny_pair, tutorial_data,
@@ -418,7 +418,7 @@ BENCHMARKS: Dict[str, Callable[[Sizes], dict]] = {
     "device_iterations": device_iterations, "recording": recording,
     "simulate": simulate_speed, "compile": compile_time, "imbalance": imbalance,
     "distributed": distributed.distributed, "anchor": anchor.anchor,
-    "pipeline_win": pipeline_win.pipeline_win,
+    "pipeline_win": pipeline_win.pipeline_win, "passes": passes.passes,
 }
 
 
