@@ -136,6 +136,124 @@ def _checked_arguments(model: torch.nn.Module, options: Optional[Options], train
     return opts, optimizer
 
 
+class InputBinder:
+    """How a call's arguments become a program's flat inputs (a collaborator of
+    :class:`PoplarExecutor`): keyword arguments bound in ``forward``'s order, plain
+    positional tensors flattened without pytree."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._rank: Optional[dict] = None
+        self._positional_specs: dict = {}
+
+    def ordered_kwargs(self, kwargs: dict) -> dict:
+        """Keyword arguments bound to ``forward``'s named parameters in its order, so the
+        order a call names them in never makes it look like other inputs (PopTorch bound
+        them to forward's names); the others (for ``**kwargs``) keep the call's order, which
+        forward can see."""
+        if len(kwargs) < 2:
+            return kwargs
+        if self._rank is None:
+            try:
+                params = inspect.signature(self.module.forward).parameters.values()
+                self._rank = {p.name: i for i, p in enumerate(params)
+                              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            except (TypeError, ValueError):
+                self._rank = {}
+        rank = self._rank
+        ordered = sorted((k for k in kwargs if k in rank), key=rank.__getitem__) + \
+            [k for k in kwargs if k not in rank]
+        if ordered == list(kwargs):
+            return kwargs
+        return {k: kwargs[k] for k in ordered}
+
+    def flatten(self, args, kwargs):
+        """Flat inputs and their pytree spec; plain positional tensors skip pytree."""
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            spec = self._positional_specs.get(len(args))
+            if spec is None:
+                spec = pytree.tree_flatten((args, kwargs))[1]
+                self._positional_specs[len(args)] = spec
+            return list(args), spec
+        return pytree.tree_flatten((args, kwargs))
+
+
+class TensorWatch:
+    """The module's parameters and buffers that a compiled program holds (a collaborator of
+    :class:`PoplarExecutor`): one replaced or removed since would be silently ignored, so it
+    is an error. Checked in full only when torch registered a parameter, buffer or module
+    anywhere since the last check (the registration hooks count them), so a call pays
+    nothing otherwise."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.seen: Optional[int] = None
+
+    @staticmethod
+    def count() -> int:
+        return _REGISTRATIONS[0]
+
+    def checked(self) -> None:
+        """The module's tensors are the program's as of now."""
+        self.seen = _REGISTRATIONS[0]
+
+    def forget(self) -> None:
+        """Check in full at the next call."""
+        self.seen = None
+
+    def before_call(self, program: Program) -> None:
+        if self.seen == _REGISTRATIONS[0]:
+            return
+        changes = compiler.changed_tensors(self.module, program.module_tensors)
+        if changes:
+            raise ModelStateError(_host_change_message(*changes[0]))
+        self.checked()
+
+    def after_call(self, program: Program, snapshot, registrations: int) -> None:
+        """A forward that ran eagerly (a one-stage model) and replaced or removed one of the
+        module's parameters or buffers: PopTorch's error, after undoing the call."""
+        if _REGISTRATIONS[0] == registrations:  # nothing was assigned while it ran
+            return
+        changes = compiler.changed_tensors(self.module, program.module_tensors)
+        if changes:
+            compiled = dict(program.module_tensors)
+            for kind, name, _ in changes:
+                with contextlib.suppress(Exception):  # a submodule that is gone
+                    compiler.put_back(self.module, kind, name, compiled[(kind, name)])
+            snapshot.restore()
+            raise ModelStateError(compiler.forward_change_message(*changes[0]))
+        self.checked()
+
+    def copy_to_device(self, program: Program, which) -> None:
+        """Put every replaced parameter/buffer's values back into the compiled tensor.
+
+        Everything is checked before anything is written: a removed tensor or a shape
+        that differs is an error that changes nothing."""
+        model = self.module
+        changes = compiler.changed_tensors(model, program.module_tensors)
+        if which is not None:
+            kind, names = which
+            changes = [c for c in changes if c[0] == kind and (names is None or c[1] in names)]
+        compiled = dict(program.module_tensors)
+        now = compiler.module_tensors(model)
+        for kind, name, how in changes:
+            if how == "removed":
+                raise ModelStateError(_host_change_message(kind, name, how))
+            new, old = now[(kind, name)], compiled[(kind, name)]
+            if new.shape != old.shape:
+                raise ModelStateError(
+                    f"{kind} {name} is reassigned within the model with shape "
+                    f"{list(new.shape)}, but the model was compiled with shape "
+                    f"{list(old.shape)}: its values cannot be copied into the compiled one. "
+                    "Call model.destroy() and call the model again to recompile for it.")
+        with torch.no_grad():
+            for kind, name, _ in changes:
+                old = compiled[(kind, name)]
+                old.copy_(now[(kind, name)])
+                compiler.put_back(model, kind, name, old)
+        self.forget()  # check in full at the next call
+
+
 class PoplarExecutor:
     """A model wrapped for ipukit: call it like the module it wraps.
 
@@ -157,7 +275,8 @@ class PoplarExecutor:
         d["_timelines_kept"] = []
         d["_calls"] = 0
         d["_anchored"] = {}
-        d["_positional_specs"] = {}
+        d["_inputs"] = InputBinder(model)      # a call's arguments → flat inputs
+        d["_watch"] = TensorWatch(model)       # the module's tensors the program holds
         d["_destroyed"] = False
         d["_snapshot"] = StateSnapshot()
         #: what a runtime keeps for this model between calls (the process runtime's
@@ -226,7 +345,7 @@ class PoplarExecutor:
     def compile(self, *args, **kwargs) -> None:
         """Trace and partition the model for these inputs without running it (after
         ``destroy()`` too: it compiles again, as PopTorch did)."""
-        kwargs = self._ordered_kwargs(kwargs)
+        kwargs = self._inputs.ordered_kwargs(kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         self._compile(flat, spec, args, kwargs)
 
@@ -247,7 +366,7 @@ class PoplarExecutor:
                                            args, kwargs)
         self._program = program
         self._attached = True
-        self.__dict__["_registrations_seen"] = _REGISTRATIONS[0]
+        self._watch.checked()
         if self._destroyed:  # called again after destroy(): wrapped again, as in PopTorch
             self._destroyed = False
             if self._training:
@@ -267,69 +386,10 @@ class PoplarExecutor:
             "ipukit.DataLoader drops the incomplete last batch.)", UserWarning, stacklevel=3)
 
     # -- calls ------------------------------------------------------------------
-    def _ordered_kwargs(self, kwargs: dict) -> dict:
-        """Keyword arguments bound to ``forward``'s named parameters in its order, so the
-        order a call names them in never makes it look like other inputs (PopTorch bound
-        them to forward's names); the others (for ``**kwargs``) keep the call's order, which
-        forward can see."""
-        if len(kwargs) < 2:
-            return kwargs
-        rank = self.__dict__.get("_forward_order")
-        if rank is None:
-            try:
-                params = inspect.signature(self._user_model.forward).parameters.values()
-                rank = {p.name: i for i, p in enumerate(params)
-                        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-            except (TypeError, ValueError):
-                rank = {}
-            self.__dict__["_forward_order"] = rank
-        ordered = sorted((k for k in kwargs if k in rank), key=rank.__getitem__) + \
-            [k for k in kwargs if k not in rank]
-        if ordered == list(kwargs):
-            return kwargs
-        return {k: kwargs[k] for k in ordered}
-
-    def _flatten(self, args, kwargs):
-        """Flat inputs and their pytree spec; plain positional tensors skip pytree."""
-        if not kwargs and all(type(a) is torch.Tensor for a in args):
-            spec = self.__dict__["_positional_specs"].get(len(args))
-            if spec is None:
-                spec = pytree.tree_flatten((args, kwargs))[1]
-                self.__dict__["_positional_specs"][len(args)] = spec
-            return list(args), spec
-        return pytree.tree_flatten((args, kwargs))
-
-    def _check_module_state(self, program: Program) -> None:
-        """The compiled stages hold the module's parameter and buffer tensors: one replaced
-        or removed since would be silently ignored, so it is an error. Checked in full
-        only when torch registered a parameter, buffer or module anywhere since the last
-        check (the registration hooks count them), so a call pays nothing otherwise."""
-        seen = self.__dict__.get("_registrations_seen")
-        if seen == _REGISTRATIONS[0]:
-            return
-        changes = compiler.changed_tensors(self._user_model, program.module_tensors)
-        if changes:
-            raise ModelStateError(_host_change_message(*changes[0]))
-        self.__dict__["_registrations_seen"] = _REGISTRATIONS[0]
-
-    def _check_forward_changes(self, program: Program, snapshot) -> None:
-        """A forward that ran eagerly (a one-stage model) and replaced or removed one of the
-        module's parameters or buffers: PopTorch's error, after undoing the call."""
-        model = self._user_model
-        changes = compiler.changed_tensors(model, program.module_tensors)
-        if changes:
-            compiled = dict(program.module_tensors)
-            for kind, name, _ in changes:
-                with contextlib.suppress(Exception):  # a submodule that is gone
-                    compiler.put_back(model, kind, name, compiled[(kind, name)])
-            snapshot.restore()
-            raise ModelStateError(compiler.forward_change_message(*changes[0]))
-        self.__dict__["_registrations_seen"] = _REGISTRATIONS[0]
-
     def __call__(self, *args, **kwargs):
         t_call = time.perf_counter()
         if kwargs:
-            kwargs = self._ordered_kwargs(kwargs)
+            kwargs = self._inputs.ordered_kwargs(kwargs)
         if self._options.Distributed.numProcesses > 1:  # launched by ipukit-run / torchrun
             from .runtime.processes import runtime as distributed
 
@@ -337,7 +397,7 @@ class PoplarExecutor:
             if out is not distributed.NOT_DISTRIBUTED:
                 self._keep_timeline(distributed.timeline_source(self))
                 return out
-        flat, spec = self._flatten(args, kwargs)
+        flat, spec = self._inputs.flatten(args, kwargs)
         callers = flat
         if any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in flat):
             flat = _cast_doubles(flat)
@@ -352,7 +412,7 @@ class PoplarExecutor:
             program = self._program
             t_call = time.perf_counter()
         else:
-            self._check_module_state(program)
+            self._watch.before_call(program)
         if not self._attached:
             self.attachToDevice()
         batching = program.batching
@@ -369,7 +429,7 @@ class PoplarExecutor:
         runner = CallRunner(program, program.schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,
                             anchors=recorder, keep_rows=program.keep_rows)
-        registrations = _REGISTRATIONS[0]
+        registrations = self._watch.count()
         t_run = time.perf_counter()
         try:
             runner.run(snapshot)
@@ -378,8 +438,7 @@ class PoplarExecutor:
                 raise
             raise InputShapeError(f"{exc}\n{compiler.dtype_hint(program.input_names, flat, self._user_model)}"
                                   ) from exc
-        if _REGISTRATIONS[0] != registrations:  # something was assigned while it ran
-            self._check_forward_changes(program, snapshot)
+        self._watch.after_call(program, snapshot, registrations)
         t_gather = time.perf_counter()
         if program.mutated_inputs:
             _write_back(callers, micro, program.mutated_inputs)
@@ -490,7 +549,7 @@ class PoplarExecutor:
         """
         if self._program is None:
             raise ModelStateError(NOT_COMPILED)
-        self._copy_to_device(None)
+        self._watch.copy_to_device(self._program, None)
 
     def copyNamedBuffersToDevice(self) -> None:
         """Copy the host module's buffers named in ``Options.updatableNamedBuffers`` (every
@@ -500,37 +559,8 @@ class PoplarExecutor:
         if self._program is None:
             raise ModelStateError(NOT_COMPILED)
         names = compiler.updatable_buffers(self._options)
-        self._copy_to_device(("Buffer", None if names is None else set(names)))
-
-    def _copy_to_device(self, which) -> None:
-        """Put every replaced parameter/buffer's values back into the compiled tensor.
-
-        Everything is checked before anything is written: a removed tensor or a shape
-        that differs is an error that changes nothing."""
-        program = self._program
-        model = self._user_model
-        changes = compiler.changed_tensors(model, program.module_tensors)
-        if which is not None:
-            kind, names = which
-            changes = [c for c in changes if c[0] == kind and (names is None or c[1] in names)]
-        compiled = dict(program.module_tensors)
-        now = compiler.module_tensors(model)
-        for kind, name, how in changes:
-            if how == "removed":
-                raise ModelStateError(_host_change_message(kind, name, how))
-            new, old = now[(kind, name)], compiled[(kind, name)]
-            if new.shape != old.shape:
-                raise ModelStateError(
-                    f"{kind} {name} is reassigned within the model with shape "
-                    f"{list(new.shape)}, but the model was compiled with shape "
-                    f"{list(old.shape)}: its values cannot be copied into the compiled one. "
-                    "Call model.destroy() and call the model again to recompile for it.")
-        with torch.no_grad():
-            for kind, name, _ in changes:
-                old = compiled[(kind, name)]
-                old.copy_(now[(kind, name)])
-                compiler.put_back(model, kind, name, old)
-        self.__dict__["_registrations_seen"] = None  # check in full at the next call
+        self._watch.copy_to_device(self._program,
+                                   ("Buffer", None if names is None else set(names)))
 
     def compilationTime(self) -> datetime.timedelta:
         """How long tracing and partitioning the model took (its "compilation")."""
