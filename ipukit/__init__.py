@@ -25,11 +25,13 @@ from .core.options import Options, TensorLocationSettings
 from .core.strategies import (ParallelPhasedExecution, Phase, PhasedExecution,
                               PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage)
 from .calibrate import calibrate
+from .plan import plan
 from .data import AsynchronousDataAccessor, DataLoader
 from .ipuconfig import (IncompatibleIPUConfigError, IPUConfig, get_layer_ipu,
                         recomputation_checkpoint, split_encoder_decoder_ipu_config)
 from .model import (ICustomArgParser, PoplarExecutor, inferenceModel, registerCustomArgParser,
                     registerPostCompileHook, registerPreCompileHook, trainingModel)
+from .runtime.memory_track import track_memory
 from .schedules import Action, Schedule
 from .timeline import Event, Timeline
 from .timeline.compare import compare_schedules
@@ -105,6 +107,6 @@ __all__ = [
     "set_overlap_for_output", "Phase", "PhasedExecution", "RecoverableError", "UnrecoverableError",
     "ipuHardwareVersion", "load", "registerPreCompileHook", "registerPostCompileHook",
     "IPUConfig", "IncompatibleIPUConfigError", "get_layer_ipu", "recomputation_checkpoint",
-    "split_encoder_decoder_ipu_config", "calibrate", "module_repr", "ICustomArgParser",
-    "registerCustomArgParser",
+    "split_encoder_decoder_ipu_config", "calibrate", "plan", "module_repr", "ICustomArgParser",
+    "registerCustomArgParser", "track_memory",
 ]

@@ -17,6 +17,11 @@ checks each against the installed torch and names the versions it was run agains
 - ``mapped_runtime_class``: ``_PipelineScheduleRuntime`` told the stage → rank mapping
   (``_validate_and_set_stage_mapping``), and ``load_actions`` feeding it a schedule
   (``_prepare_schedule_with_comms``).
+- ``dispatch_mode_class``: ``torch.utils._python_dispatch.TorchDispatchMode`` (a per-thread
+  hook on every aten operation: the measured memory tracker of ``ipukit.runtime.memory_track``).
+- ``direct_forward``: ``torch.nn.modules.module``'s global hook tables and a module's own
+  hook tables and ``_compiled_call_impl`` (whether calling a module does more than its
+  ``forward``).
 """
 from __future__ import annotations
 
@@ -34,6 +39,11 @@ PRIVATE_NAMES = (
     ("torch.distributed.pipelining._backward", "_get_grad_fn_or_grad_acc"),
     ("torch.distributed.pipelining._backward", "get_param_groups"),
     ("torch.distributed.pipelining._backward", "construct_reverse_graph"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.nn.modules.module", "_global_forward_pre_hooks"),
+    ("torch.nn.modules.module", "_global_forward_hooks"),
+    ("torch.nn.modules.module", "_global_backward_pre_hooks"),
+    ("torch.nn.modules.module", "_global_backward_hooks"),
 )
 PRIVATE_METHODS = (
     ("torch.distributed.pipelining.PipelineStage", "_prepare_forward_infra"),
@@ -49,6 +59,28 @@ def torch_action(text: str):
     from torch.distributed.pipelining.schedules import _Action
 
     return _Action.from_str(text)
+
+
+def dispatch_mode_class():
+    """torch's ``TorchDispatchMode`` (thread-local: entered on one thread, it sees that thread's ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def direct_forward(module: torch.nn.Module):
+    """``module.forward`` where calling ``module`` would only call it (no hook on the module,
+    no global module hook, not compiled): the same work without ``nn.Module.__call__``'s
+    (and a ``GraphModule``'s error-decorating wrapper's) cost per call; else ``module``."""
+    from torch.nn.modules import module as mod
+
+    if (mod._global_forward_pre_hooks or mod._global_forward_hooks
+            or mod._global_backward_pre_hooks or mod._global_backward_hooks
+            or getattr(module, "_compiled_call_impl", None) is not None
+            or module._forward_pre_hooks or module._forward_hooks
+            or module._backward_pre_hooks or module._backward_hooks):
+        return module
+    return module.forward
 
 
 def grad_fn_or_grad_acc(t: torch.Tensor):

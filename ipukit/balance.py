@@ -9,6 +9,8 @@ compete for cores — and :func:`best_split` finds the optimal split exactly.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -153,12 +155,14 @@ def _repeat(value, times: int):
     return value
 
 
-def _timed_calls(model: torch.nn.Module, batch: Tuple,
-                 options) -> Tuple[Timeline, List[List[str]]]:
+def _timed_calls(model: torch.nn.Module, batch: Tuple, options,
+                 probe=None) -> Tuple[Timeline, List[List[str]]]:
     """Compile and warm up a throw-away training model, then time one call.
 
     Learning rate 0 and restored weights, buffers and random state leave the
     user's model as it was; a training wrapper the user already has stays.
+    ``probe(compiled)``, when given, runs after the timed call, before the state is
+    restored; its result is appended to the returned tuple.
     """
     from .model import trainingModel, training_wrapper_set_aside
 
@@ -170,37 +174,149 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple,
             try:
                 timing(*batch)     # compile + warm-up
                 timing(*batch)
-                return timing.getTimeline(), [st.blocks for st in timing.program.partition.stages]
+                out = (timing.getTimeline(),
+                       [st.blocks for st in timing.program.partition.stages])
+                return out if probe is None else out + (probe(timing),)
             finally:
                 timing.destroy()
 
 
+def fast_median(durations: Sequence[float]) -> float:
+    """The median of the fastest half: a pass's own cost, robust to a loaded machine.
+
+    Another program taking the core only ever makes a pass slower, so the slow half of
+    the repeats says more about the machine's load than about the pass; on a quiet machine
+    this is within a few per cent of the plain median.
+    """
+    fastest = sorted(durations)[:max(1, (len(durations) + 1) // 2)]
+    return statistics.median(fastest)
+
+
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                    repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
-    """Median forward and backward seconds of each block, one micro-batch = ``sample_inputs``.
+    """Forward and backward seconds of each block (:func:`fast_median`), one micro-batch = ``sample_inputs``.
 
     Runs the model with every block on its own IPU in ShardedExecution
     (stages one at a time, so blocks do not compete for cores): a warm-up
     call, then a call of ``repeats`` micro-batches whose timeline gives the
     medians. The user's model is left unchanged.
     """
+    fwd, bwd, _, _, timeline = _measure(model, sample_inputs, block_order, repeats, False)
+    return fwd, bwd, timeline
+
+
+def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
+                         repeats: int = 5):
+    """:func:`measure_blocks`, plus each block's split backward timed alone.
+
+    Returns ``(forward, backward, input_grad, weight_grad, timeline)``: per block, the
+    median seconds of its forward and full backward in the sharded run, and of the two
+    halves a zero-bubble schedule runs instead — ``I`` (the gradient of the block's input,
+    keeping the graph) and ``W`` (the weight gradients from what ``I`` kept), each timed
+    on its own with the runtime's own functions (:mod:`ipukit.runtime.split_backward`)
+    on the compiled stage and the activation the sharded run passes it. The gradient
+    accumulation a real ``W`` does is the full backward's (sharded run − this direct
+    backward), added to ``W``. ``input_grad`` and ``weight_grad`` are None when the
+    stages cannot be driven directly (inputs other than tensors).
+    """
+    return _measure(model, sample_inputs, block_order, repeats, True)
+
+
+def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], repeats: int,
+             split: bool):
     from .core.options import Options
 
     repeats = max(1, int(repeats))
-    batch = tuple(_repeat(a, repeats) for a in as_args(sample_inputs))
+    args = as_args(sample_inputs)
+    batch = tuple(_repeat(a, repeats) for a in args)
     options = Options()
     options.Training.gradientAccumulation(repeats)
     options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),
                                               sharded=True))
-    timeline, stage_blocks = _timed_calls(model, batch, options)
-    costs = timeline.stage_costs("median")
-    fwd = {b: 0.0 for b in block_order}
-    bwd = {b: 0.0 for b in block_order}
+    probe = (lambda compiled: _split_probe(compiled, args, repeats)) if split else None
+    timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe)
+    halves = halves[0] if halves else None
+    costs = timeline.stage_costs(fast_median)
+    per = {k: {b: 0.0 for b in block_order} for k in ("F", "B", "I", "W")}
     for s, names in enumerate(stage_blocks):
         for b in names:   # a stage holds one block here; share its time if it ever holds more
-            fwd[b] += costs["forward"][s] / len(names)
-            bwd[b] += costs["backward"][s] / len(names)
-    return [fwd[b] for b in block_order], [bwd[b] for b in block_order], timeline
+            per["F"][b] += costs["forward"][s] / len(names)
+            per["B"][b] += costs["backward"][s] / len(names)
+            if halves is not None:
+                direct_b, direct_i, direct_w = halves[s]
+                extra = max(0.0, costs["backward"][s] - direct_b)   # accumulation, bookkeeping
+                per["I"][b] += direct_i / len(names)
+                per["W"][b] += (direct_w + extra) / len(names)
+    out = [[per[k][b] for b in block_order] for k in ("F", "B", "I", "W")]
+    if halves is None:
+        out[2] = out[3] = None
+    return out[0], out[1], out[2], out[3], timeline
+
+
+def _split_probe(compiled, args: Tuple, repeats: int):
+    """Per stage of ``compiled`` (a one-block-per-stage training model): median seconds of
+    a direct full backward, of ``I`` and of ``W`` (None if the stages cannot be driven)."""
+
+    from .runtime.split_backward import backward_input, backward_weight
+
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        return None
+    partition = compiled.program.partition
+    loss = (partition.outputs[partition.loss_output]
+            if partition.loss_output is not None else None)
+    outputs: Dict[int, Any] = {}
+    result = []
+
+    def item(outs, index):     # outs: a stage's outputs as a tuple
+        return outs[index or 0]
+
+    with torch.enable_grad():
+        for stage in partition.stages:
+            stage_args = []
+            for ref in stage.args:
+                if ref.kind == "input":
+                    if ref.index >= len(args):
+                        return None
+                    v = args[ref.index]
+                elif ref.kind == "stage":
+                    v = item(outputs[ref.index], ref.item)
+                    if isinstance(v, torch.Tensor):
+                        v = v.detach().requires_grad_(v.is_floating_point())
+                else:
+                    v = ref.value
+                stage_args.append(v)
+            params = [p for p in stage.parameters if p.requires_grad]
+            inputs = [v for v in stage_args if isinstance(v, torch.Tensor) and v.requires_grad]
+            used = sorted({i for c, _, i in partition.consumers(stage.index)},
+                          key=lambda i: -1 if i is None else i)
+            spans: Dict[str, List[float]] = {"B": [], "I": [], "W": []}
+            out = None
+            for r in range(repeats + 1):
+                for half in ("B", "IW"):
+                    out = stage.module(*stage_args)
+                    out = tuple(out) if stage.tuple_output else (out,)
+                    seeds = [item(out, i) for i in used]
+                    if loss is not None and loss.kind == "stage" and loss.index == stage.index:
+                        seeds.append(item(out, loss.item))
+                    seeds = [t for t in seeds if isinstance(t, torch.Tensor) and t.requires_grad]
+                    grads = [torch.ones_like(t) for t in seeds]
+                    if not seeds:
+                        continue
+                    t0 = time.perf_counter()
+                    if half == "B":
+                        torch.autograd.grad(seeds, inputs + params, grads, allow_unused=True)
+                        spans["B"].append(time.perf_counter() - t0)
+                        continue
+                    _, pending = backward_input(seeds, grads, inputs, params)
+                    t1 = time.perf_counter()
+                    backward_weight(pending, params)
+                    t2 = time.perf_counter()
+                    spans["I"].append(t1 - t0)
+                    spans["W"].append(t2 - t1)
+            outputs[stage.index] = out
+            result.append(tuple(fast_median(spans[k][1:] or spans[k] or [0.0])
+                                for k in ("B", "I", "W")))
+    return result
 
 
 def balance_by_time(model: torch.nn.Module, sample_inputs, num_ipus: int,

@@ -5,7 +5,14 @@ call the table will predict:
 
 - each block's forward and backward, one micro-batch, alone (every block its own
   stage, run one at a time on one worker: :func:`ipukit.balance.measure_blocks`);
-- the fixed cost of one pass: the median gap between consecutive passes of that same
+- each block's split backward, its input-gradient half ``I`` and its weight-gradient
+  half ``W`` each timed on its own with the runtime's functions, on that run's compiled
+  stages (:func:`ipukit.balance.measure_split_blocks`; a split backward costs more
+  than a full one: the graph is walked twice);
+- contention: the work rate of k forward + backward passes at once on k threads,
+  against one alone (:func:`concurrency`: fewer cores than workers, and the
+  interpreter lock each pass holds for its Python side);
+- the fixed cost of one pass: the median (of the fastest half, as for every figure here) gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
 - one optimiser step of the training's optimiser type, on copies of the weights;
@@ -24,14 +31,13 @@ import hashlib
 import inspect
 import json
 import os
-import statistics
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .balance import as_args, discover_blocks, measure_blocks
+from .balance import fast_median, as_args, discover_blocks, measure_split_blocks
 from .runtime.workers import Exchange
 from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re-exported)
 from .timeline.simulate import available_cores, host_spans
@@ -59,7 +65,7 @@ def handoff_cost(round_trips: int = 200) -> float:
     finally:
         box.abort()
         peer.join()
-    return statistics.median(trips[round_trips // 10:]) / 2
+    return fast_median(trips[round_trips // 10:]) / 2
 
 
 def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float:
@@ -85,7 +91,78 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float
         t = time.perf_counter()
         opt.step()
         spans.append(time.perf_counter() - t)
-    return statistics.median(spans[1:])   # the first step also creates the state
+    return fast_median(spans[1:])   # the first step also creates the state
+
+
+def _scalar_loss(out) -> Optional[torch.Tensor]:
+    leaves = list(out) if isinstance(out, (tuple, list)) else list(out.values()) \
+        if isinstance(out, dict) else [out]
+    leaves = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    scalars = [t for t in leaves if t.dim() == 0]
+    if scalars:
+        return scalars[-1]
+    return sum(t.float().sum() for t in leaves) if leaves else None
+
+
+def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = None,
+                rounds: int = 2, least_seconds: float = 0.02) -> List[float]:
+    """The work rate of k passes at once on threads, k = 1 … ``workers`` (the first is 1).
+
+    Each of k threads runs a forward and backward of its own copy of ``model`` on the
+    micro-batch, again and again, all starting together; the rate is k × passes ÷ the
+    time the k threads take, divided by one thread's rate. Each thread uses the intra-op
+    threads the executor gives one of k workers (one thread alone keeps the caller's,
+    as the sharded run that timed the blocks did). What it holds: how many cores the
+    workers really share, the interpreter lock every pass holds for its Python side
+    (which serialises), and the slowdown of more workers than cores. ``workers``
+    defaults to four or the cores + 2, whichever is more; the best of ``rounds`` rounds
+    counts (a neighbour's load only ever slows a round).
+    """
+    import copy
+
+    from .runtime.executor import default_threads
+
+    args = as_args(sample_inputs)
+    cores = available_cores()
+    K = int(workers) if workers else max(4, cores + 2)
+    copies = [copy.deepcopy(model) for _ in range(K)]
+    caller_threads = torch.get_num_threads()
+
+    def one(m: torch.nn.Module) -> None:
+        loss = _scalar_loss(m(*args))
+        params = [p for p in m.parameters() if p.requires_grad]
+        if loss is not None and params:
+            torch.autograd.grad(loss, params, allow_unused=True)
+
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        t = time.perf_counter()
+        one(copies[0])                       # warm-up, and how long one pass takes
+        one(copies[0])
+        single = max(1e-6, (time.perf_counter() - t) / 2)
+        n = max(2, int(least_seconds / single + 0.999))
+        best = [0.0] * K
+        for _ in range(max(1, rounds)):
+            for k in range(1, K + 1):
+                gate = threading.Barrier(k + 1)
+                threads_each = caller_threads if k == 1 else default_threads(k)
+
+                def work(m: torch.nn.Module) -> None:
+                    torch.set_num_threads(threads_each)
+                    gate.wait()
+                    for _ in range(n):
+                        one(m)
+
+                pool = [threading.Thread(target=work, args=(copies[i],), daemon=True,
+                                         name=f"ipukit-calibrate-{i}") for i in range(k)]
+                for th in pool:
+                    th.start()
+                gate.wait()
+                t = time.perf_counter()
+                for th in pool:
+                    th.join()
+                best[k - 1] = max(best[k - 1], k * n / (time.perf_counter() - t))
+    base = best[0]
+    return [1.0] + [min(float(k), r / base) for k, r in enumerate(best[1:], start=2)]
 
 
 def _pass_gap(timeline) -> float:
@@ -95,7 +172,7 @@ def _pass_gap(timeline) -> float:
                     key=lambda e: e.start)
     gaps = [b.start - a.end for a, b in zip(passes, passes[1:])
             if a.iteration == b.iteration and b.start >= a.end]
-    return statistics.median(gaps) if gaps else 0.0
+    return fast_median(gaps) if gaps else 0.0
 
 
 def _key(model: torch.nn.Module, blocks: Sequence[str], args: Tuple, repeats: int) -> str:
@@ -111,7 +188,7 @@ def _key(model: torch.nn.Module, blocks: Sequence[str], args: Tuple, repeats: in
 
 def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Sequence[str]] = None,
               repeats: int = 8, cache: bool = True, cache_dir: Optional[str] = None,
-              optimizer=None) -> CostTable:
+              optimizer=None, contention: bool = True) -> CostTable:
     """Measure ``model``'s cost table on this machine (see the module docstring).
 
     ``sample_inputs`` is one micro-batch: a tensor, or a tuple of the model's arguments
@@ -119,7 +196,9 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
     ipukit training model). The user's model is left as it was (weights, buffers,
     random state). ``optimizer``: the training's optimiser, whose step is timed on copies
     of the weights (default: SGD). A second call with the same model structure, blocks,
-    batch and optimiser type returns the cached table.
+    batch and optimiser type returns the cached table. ``contention``: also measure the
+    rate of k concurrent passes (:func:`concurrency`), which the model uses when a call's
+    workers run at once.
     """
     from .model import PoplarExecutor
 
@@ -127,7 +206,7 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         model = model.model
     args = as_args(sample_inputs)
     order = list(block_order) if block_order is not None else discover_blocks(model, args)
-    key = _key(model, order, args, repeats) + type(optimizer).__name__
+    key = _key(model, order, args, repeats) + type(optimizer).__name__ + str(contention)
     if cache and key in _CACHE:
         return _CACHE[key]
     path = os.path.join(os.path.expanduser(cache_dir), f"calibration-{key[:16]}.json") \
@@ -138,7 +217,8 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         _CACHE[key] = table
         return table
     started = time.perf_counter()
-    fwd, bwd, timeline = measure_blocks(model, args, order, repeats)
+    fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(model, args, order,
+                                                                        repeats)
     before, after = host_spans(timeline)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) \
@@ -148,9 +228,13 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         handoff=handoff_cost(), step=step_cost(model, optimizer),
         host_before=before, host_after=after, cores=available_cores(), device=device,
         micro_batch=int(first.shape[0]) if first is not None else 0,
-        notes={"measured": "each block alone (sharded, one worker), median of "
-                           f"{repeats} micro-batches; hand-off by a two-thread ping-pong",
-               "seconds": f"{time.perf_counter() - started:.3f}"})
+        input_grad=input_grad, weight_grad=weight_grad,
+        concurrency=concurrency(model, args) if contention else None,
+        notes={"measured": "each block alone (sharded, one worker), the median of the "
+                           f"fastest half of {repeats} micro-batches; each block's split backward (I, W) "
+                           "alone; k passes at once on k threads (the whole model's "
+                           "forward and backward); hand-off by a two-thread ping-pong"})
+    table.notes["seconds"] = f"{time.perf_counter() - started:.3f}"
     if cache:
         _CACHE[key] = table
         if path:

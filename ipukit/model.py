@@ -428,7 +428,8 @@ class PoplarExecutor:
         recorder = self._anchor_recorder(batching)
         runner = CallRunner(program, program.schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,
-                            anchors=recorder, keep_rows=program.keep_rows)
+                            anchors=recorder, keep_rows=program.keep_rows,
+                            stall_timeout=self._options.stall_timeout)
         registrations = self._watch.count()
         t_run = time.perf_counter()
         try:

@@ -31,6 +31,66 @@ def test_each_extra_micro_batch_on_one_stage_adds_one_forward_and_one_backward(m
     assert more - one == pytest.approx((10 + 0.5) + (20 + 0.5))
 
 
+def split_table(**kw):
+    return table(input_grad=[0.0625, 1.0, 1.5, 2.5], weight_grad=[1.5, 3.5, 5.0, 6.5],
+                 concurrency=[1.0, 1.5, 1.25], **kw)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+def test_one_stage_one_micro_batch_is_the_tables_sum_for_every_backward(kind):
+    t = split_table()
+    tl = model_call(t, kind, [["a", "b"]], micro_batches=1)
+    # the first stage's inputs are data: its split backward is I of its first block, then
+    # a full backward of its blocks as W; each pass pays per_pass
+    back = (2 + 4) + 0.5 if kind != "zb-h1" else (0.0625 + 0.5) + ((2 + 4) + 0.5)
+    assert tl.wall_time == pytest.approx(0.125 + (1 + 2) + 0.5 + back + 0.75 + 0.0625)
+    assert tl.meta["notes"] == []            # one worker: nothing the model cannot know
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_each_extra_micro_batch_on_one_stage_adds_its_passes_with_measured_halves(kind, m):
+    t = split_table()
+    one = model_call(t, kind, [["a", "b", "c", "d"]], micro_batches=m).wall_time
+    more = model_call(t, kind, [["a", "b", "c", "d"]], micro_batches=m + 1).wall_time
+    back = 20 + 0.5 if kind != "zb-h1" else (0.0625 + 0.5) + (20 + 0.5)
+    assert more - one == pytest.approx((10 + 0.5) + back)
+
+
+def test_later_stages_split_their_backward_by_the_measured_halves():
+    c = split_table().stage_costs([["a"], ["b", "c"], ["d"]])
+    assert c["input-grad"] == pytest.approx([0.0625 + 0.5, 2.5 + 0.5, 2.5 + 0.5])
+    assert c["weight-grad"] == pytest.approx([2 + 0.5, 8.5 + 0.5, 6.5 + 0.5])
+    assert "input-grad" not in table().stage_costs([["a"]])       # not measured: weight_share
+
+
+def test_two_stages_on_two_ipus_follow_the_measured_halves_exactly():
+    t = split_table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0)
+    tl = model_call(t, "zb-h1", [["a"], ["b"]], micro_batches=1, cores=8)
+    # F_a, F_b, I_b, then W_b on IPU 1 while I_a then W_a run on IPU 0
+    f_b_end = 1 + 2
+    i_b_end = f_b_end + 1.0
+    assert tl.wall_time == pytest.approx(max(i_b_end + 3.5, i_b_end + 0.0625 + 2))
+
+
+def test_calibrated_contention_slows_concurrent_workers_and_says_so():
+    t = table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0, cores=2)
+    stages = even_split(t.blocks, 2)
+    ideal = model_call(t.__class__(**dict(t.to_dict(), concurrency=[1.0, 2.0])), "1f1b",
+                       stages, 8)
+    free = model_call(t, "1f1b", stages, 8, cores=8)
+    assert ideal.wall_time == pytest.approx(free.wall_time)
+    slow = model_call(t.__class__(**dict(t.to_dict(), concurrency=[1.0, 1.0])), "1f1b",
+                      stages, 8)
+    assert slow.wall_time == pytest.approx(8 * (10 + 20))   # two at once, no faster than one
+    assert any("calibrated rate" in n for n in slow.meta["notes"])
+    assert any("not calibrated" in n for n in model_call(t, "1f1b", stages, 8).meta["notes"])
+    # one stage is one worker: contention never applies
+    alone = model_call(t.__class__(**dict(t.to_dict(), concurrency=[1.0, 0.5])), "gpipe",
+                       [t.blocks], 3)
+    assert alone.wall_time == pytest.approx(3 * 30)
+
+
 def test_a_handoff_is_paid_only_between_ipus():
     t = table(per_pass=0.0, step=0.0, host_before=0.0, host_after=0.0)
     stages = [["a"], ["b"]]
@@ -71,6 +131,10 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
     assert t.blocks == ["b0", "b1"]
     assert all(v > 0 for v in t.forward + t.backward)
     assert t.per_pass >= 0 and t.handoff > 0 and t.cores >= 1 and t.micro_batch == 8
+    assert len(t.input_grad) == len(t.weight_grad) == 2
+    assert all(v >= 0 for v in t.input_grad + t.weight_grad) and t.weight_grad[1] > 0
+    assert t.concurrency[0] == 1.0 and len(t.concurrency) >= 2
+    assert all(0 < r <= k for k, r in enumerate(t.concurrency, start=1))
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert ipukit.calibrate(net, (x, y), repeats=3, cache_dir=str(tmp_path)) is t
     assert list(tmp_path.glob("calibration-*.json"))

@@ -34,6 +34,7 @@ FLOORS: List[Tuple[int, str]] = [
     (5, "ipukit.data"),
     (5, "ipukit.balance"),
     (5, "ipukit.calibrate"),
+    (5, "ipukit.plan"),       # the planner: splits × schedules × batching, modeled
     (5, "ipukit.datasets"),
     (6, "ipukit.lightning"),
     (6, "ipukit.ipuconfig"),
@@ -44,7 +45,7 @@ FLOORS: List[Tuple[int, str]] = [
 #: The front door's modules share one package (ipukit's top level).
 SHARED_PACKAGE = {"ipukit.model": "front door", "ipukit.data": "front door",
                   "ipukit.balance": "front door", "ipukit.datasets": "front door",
-                  "ipukit.calibrate": "front door"}
+                  "ipukit.calibrate": "front door", "ipukit.plan": "front door"}
 
 #: ``import ipukit`` itself sits between the front ends and the examples: the examples
 #: and the dashboard are written as user code is.

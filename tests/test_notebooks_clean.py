@@ -19,7 +19,8 @@ def test_the_notebooks_exist():
     for expected in ("01_pipelining_walkthrough.ipynb", "02_pipeline_explorer.ipynb",
                      "04_running_poptorch_code.ipynb",
                      "03_scripts_and_profiles.ipynb", "05_lightning_on_ipukit.ipynb",
-                     "06_scaling_out.ipynb"):
+                     "06_scaling_out.ipynb", "07_costs_of_pipelining.ipynb",
+                     "08_plan_fit_debug.ipynb"):
         assert expected in names
 
 

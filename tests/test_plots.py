@@ -244,3 +244,28 @@ def test_schedule_comparison_has_three_panels_of_bars_and_marks_the_selection():
     assert time_.marker.color[1] == plots.SELECTED_COLOUR != time_.marker.color[0]
     assert "needs an even number" in time_.customdata[2]
     go.FigureWidget(fig)                                 # works as a widget
+
+
+def test_schedule_comparison_on_mixed_ipu_counts_says_so_and_gives_ipu_time():
+    rows = [dict(schedule="1F1B", ipus=4, available=True, reason="", time_per_step=0.04,
+                 bubble=0.25, peak_activations=4.0),
+            dict(schedule="ZBV", ipus=2, available=True, reason="", time_per_step=0.05,
+                 bubble=0.1, peak_activations=4.0)]
+    fig = plots.schedule_comparison_figure(rows)
+    assert "different numbers of IPUs" in fig.layout.title.text
+    assert "160.0 IPU·ms" in fig.data[0].customdata[0]
+    assert "100.0 IPU·ms" in fig.data[0].customdata[1]
+    same = plots.schedule_comparison_figure([dict(rows[0]), dict(rows[1], ipus=4)])
+    assert "different" not in same.layout.title.text
+
+
+def test_compare_shows_the_models_notes():
+    from ipukit.timeline.costs import CostTable, model_call
+
+    t = CostTable(blocks=["a", "b"], forward=[1.0, 1.0], backward=[2.0, 2.0], cores=1,
+                  concurrency=[1.0, 0.9])
+    modeled = model_call(t, "1f1b", [["a"], ["b"]], 4)
+    measured = Timeline(modeled.events, modeled=False, meta=dict(modeled.meta))
+    fig = plots.compare_figure(measured, modeled)
+    texts = [a.text for a in fig.layout.annotations]
+    assert any(x.startswith("Model: ") and "calibrated rate" in x for x in texts)

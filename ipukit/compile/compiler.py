@@ -81,7 +81,8 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         reduction=opts.Training.accumulation_and_replication_reduction_type,
         threads_per_worker=opts.cpu_threads_per_ipu,
         offload_optimizer=training and not opts.TensorLocations.on_chip("optimizer"),
-        record=opts.record_timeline, compile_seconds=time.perf_counter() - started,
+        record=opts.record_timeline, track_memory=opts.track_memory,
+        compile_seconds=time.perf_counter() - started,
         mutated_inputs=mutated, module_tensors=tuple(module_tensors(model).items()))
 
 

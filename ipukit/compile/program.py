@@ -46,6 +46,7 @@ class Program:
     threads_per_worker: Optional[int] = None
     offload_optimizer: bool = False
     record: bool = True
+    track_memory: bool = False                 # Options.trackMemory: measure memory per IPU
     compile_seconds: float = 0.0
     # flat position of each input the model changes in place -> the device its per-micro-batch
     # copies go to (the wrapper makes them and writes them back into the caller's tensors)

@@ -11,7 +11,8 @@ ipukit's own additions (documented in the README):
 * :meth:`Options.pipelineSchedule` — ``"1F1B"`` (default), ``"GPipe"`` and the modern schedules;
 * :meth:`Options.deviceMapping` — which torch device each virtual IPU runs on;
 * :meth:`Options.cpuThreadsPerIpu` — intra-op threads per virtual-IPU worker;
-* :meth:`Options.recordTimeline` and :meth:`Options.profileDir`.
+* :meth:`Options.recordTimeline` and :meth:`Options.profileDir`;
+* :meth:`Options.trackMemory` — measure each call's memory per virtual IPU.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from .strategies import PipelinedExecution, ShardedExecution
 
 #: ``Options.pipelineSchedule``'s accepted names (from the one registry of schedule kinds).
 SCHEDULES = SCHEDULE_TITLES
+#: seconds without any completed action before a call is stopped (Options.stallTimeout)
+DEFAULT_STALL_TIMEOUT = 30.0
 
 
 class TensorLocationSettings(_OptionGroup):
@@ -316,8 +319,10 @@ class Options(_IgnoredGroup):
         self.device_mapping: Optional[List[str]] = None
         self.cpu_threads_per_ipu: Optional[int] = None
         self.record_timeline = True
+        self.track_memory = False
         self.broadcast_buffers = True
         self.profile_dir: Optional[str] = None
+        self.stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT
         self.model_name: Optional[str] = None
         self.anchored_tensors: Dict[str, Anchor] = {}
         self._execution_strategy: PipelinedExecution = PipelinedExecution()
@@ -413,6 +418,8 @@ class Options(_IgnoredGroup):
                 "cpu_threads_per_ipu": self.cpu_threads_per_ipu,
                 "record_timeline": self.record_timeline,
                 "profile_dir": self.profile_dir,
+                "track_memory": self.track_memory,
+                "stall_timeout": self.stall_timeout,
                 "model_name": self.model_name,
             },
             "anchored_tensors": {
@@ -438,7 +445,7 @@ class Options(_IgnoredGroup):
         items += [("execution_strategy", self._execution_strategy)]
         items += [(k, getattr(self, k)) for k in (
             "pipeline_schedule", "device_mapping", "cpu_threads_per_ipu", "record_timeline",
-            "profile_dir", "model_name")]
+            "profile_dir", "track_memory", "stall_timeout", "model_name")]
         items += list(self._ignored.items())
         return items + sorted((k, v) for k, v in self.__dict__.items()
                               if isinstance(v, _OptionGroup))
@@ -611,6 +618,38 @@ class Options(_IgnoredGroup):
         """ipukit: write a Chrome trace and an HTML report of each call to ``path``."""
         self._check_not_frozen(f"profileDir({path!r})")
         self.profile_dir = None if path is None else str(path)
+        return self
+
+    def trackMemory(self, enabled: bool = True) -> "Options":
+        """ipukit: measure every call's memory per virtual IPU (``Timeline.memory``, the
+        profile's counters, :func:`ipukit.viz.memory.measured_memory`), as inside
+        ``with ipukit.track_memory():``. Off by default: a tracked call takes up to about 2.3×
+        as long (every operation goes through a Python hook)."""
+        self._check_not_frozen(f"trackMemory({enabled!r})")
+        if not isinstance(enabled, bool):
+            raise OptionsError(f"trackMemory({enabled!r}): expected True or False.")
+        self.track_memory = enabled
+        return self
+
+    def stallTimeout(self, seconds: Optional[float]) -> "Options":
+        """ipukit: stop a call in which no action completed anywhere for ``seconds``.
+
+        A watchdog measures progress (time since the last forward or backward
+        completed on any virtual IPU, replica or process), never a call's total
+        time, so a slow call that keeps progressing is never stopped. A stalled
+        call is stopped and undone and raises :class:`~ipukit.core.errors.StallError`
+        naming what each stage waits for. ``None`` or ``0`` disables it; default
+        30 s. A call that runs on the calling thread alone (sharded execution, one
+        stage, one replica) has no one to wait for and is not watched.
+        """
+        self._check_not_frozen(f"stallTimeout({seconds!r})")
+        if seconds is not None and (isinstance(seconds, bool)
+                                    or not isinstance(seconds, (int, float))
+                                    or not seconds >= 0 or seconds == float("inf")):
+            raise OptionsError(f"Options.stallTimeout({seconds!r}): expected a number of "
+                               "seconds > 0 (e.g. stallTimeout(30)), or None or 0 to turn "
+                               "the watchdog off.")
+        self.stall_timeout = float(seconds) if seconds else None
         return self
 
     def anchorTensor(self, short_name: str, long_name: str,

@@ -3,16 +3,19 @@
 Used by the script, the notebooks, the benchmarks and the tests, so they all
 train the same model. ``Network(split=...)`` places the blocks on virtual IPUs
 for the explorer; the default names the blocks B1–B4 as the tutorial does.
+:func:`explorer_model` is the spec the notebook dashboard is given.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..core.blocks import Block
-from ..core.strategies import PipelinedExecution, ShardedExecution, Stage
+from ..timeline.costs import CostTable
+from .spec import ModelSpec, linear_costs
 
 BLOCKS = ("B1", "B2", "B3", "B4")
 
@@ -78,14 +81,33 @@ def strategy(split: Optional[Sequence[int]] = None, sharded: bool = False):
     must not decrease along the model.
     """
     split = tuple(range(len(BLOCKS))) if split is None else tuple(split)
-    if len(split) != len(BLOCKS):
-        raise ValueError(f"split needs one IPU per block {BLOCKS}, got {split}")
-    stages = []
-    for ipu in sorted(set(split)):
-        names = [b for b, i in zip(BLOCKS, split) if i == ipu]
-        stages.append(Stage(*names).ipu(ipu))
-    cls = ShardedExecution if sharded else PipelinedExecution
-    return cls(*stages)
+    return explorer_model().strategy(split, sharded=sharded)
+
+
+# The convnet's reference costs, in seconds: a fixed cost per pass (framework overhead)
+# plus a cost per sample, per block. Measured on one CPU core with
+# ipukit.balance.measure_blocks at micro-batches of 8, 40 and 128 samples, and rounded.
+_FIXED = {"forward": dict.fromkeys(BLOCKS, 8.0e-5), "backward": dict.fromkeys(BLOCKS, 1.5e-4)}
+_PER_SAMPLE = {
+    "forward": {"B1": 7.0e-5, "B2": 3.0e-5, "B3": 4.5e-6, "B4": 1.5e-6},
+    "backward": {"B1": 2.4e-5, "B2": 5.4e-5, "B3": 6.0e-6, "B4": 2.0e-6},
+}
+
+
+def reference_costs(micro_batch_size: int = 40) -> CostTable:
+    """The convnet's cost table measured once on one idle core (B1 and B2, the
+    convolutions, about ten times B3 and B4): numbers that do not depend on the machine."""
+    return linear_costs(BLOCKS, _FIXED, _PER_SAMPLE, micro_batch_size,
+                        source="the convnet's reference costs, one idle core")
+
+
+@functools.lru_cache(maxsize=None)
+def explorer_model() -> ModelSpec:
+    """The convnet as the notebook dashboard takes it: placed by a stage split of B1–B4,
+    the loss added by :class:`TrainingModelWithLoss`, micro-batches of 40 MNIST images
+    (the same object on every call)."""
+    return ModelSpec("convnet", BLOCKS, Network, TrainingModelWithLoss, micro_batch_size=40,
+                     reference_costs=reference_costs)
 
 
 def accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:

@@ -19,10 +19,12 @@ Because the layers are identical, ``layers_per_ipu`` balances the pipeline:
 ``[2, 2, 2, 2]`` gives four stages of nearly equal cost (the embeddings and the
 head are small), unlike the tutorial convnet whose two convolutions dominate.
 
-``CONFIG_PATH`` is the IPU configuration used by ``ipukit-mnist --model vit``.
+``CONFIG_PATH`` is the IPU configuration used by ``ipukit-mnist --model vit``;
+:func:`explorer_model` is the spec the notebook dashboard is given.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import List, Optional
@@ -33,6 +35,8 @@ import torch.nn.functional as F
 
 from ..core.blocks import BeginBlock, removeBlocks
 from ..ipuconfig.config import IPUConfig, get_layer_ipu, recomputation_checkpoint
+from ..timeline.costs import CostTable
+from .spec import ModelSpec, linear_costs
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "vit_ipu_config.json")
 
@@ -151,3 +155,45 @@ def num_layers_for(ipu_config: IPUConfig, default: int = 8) -> int:
     """The depth a configuration was written for: ``sum(layers_per_ipu)`` without wildcards."""
     layers = ipu_config._layers_per_ipu
     return default if -1 in layers else sum(layers)
+
+
+# The ViT's reference costs (width 64, 17 tokens), (fixed, per sample) seconds, measured with
+# ipukit.balance.measure_blocks on one idle core at micro-batches of 4 to 64 samples and
+# rounded. Every encoder layer costs the same; the embedding and the head (with the loss)
+# are small.
+_REFERENCE = {
+    "forward": {"Embedding": (4.0e-4, 4.0e-6), "Encoder": (3.0e-4, 3.2e-5),
+                "LayerNorm": (5.0e-5, 1.5e-6), "Classifier": (8.0e-5, 1.0e-6)},
+    "backward": {"Embedding": (3.0e-4, 7.0e-6), "Encoder": (3.5e-4, 5.0e-5),
+                 "LayerNorm": (5.0e-5, 1.5e-6), "Classifier": (4.7e-4, 6.0e-6)},
+}
+
+
+def reference_costs(micro_batch_size: int = 16, num_layers: int = 8) -> CostTable:
+    """The ViT's cost table measured once on one idle core: numbers that do not depend on
+    the machine (its identical encoder layers cost the same)."""
+    blocks = ("Embedding", *(f"Encoder{i}" for i in range(num_layers)), "LayerNorm", "Classifier")
+    kind_of = {b: "Encoder" if b.startswith("Encoder") else b for b in blocks}
+    fixed = {k: {b: table[kind_of[b]][0] for b in blocks} for k, table in _REFERENCE.items()}
+    per_sample = {k: {b: table[kind_of[b]][1] for b in blocks} for k, table in _REFERENCE.items()}
+    return linear_costs(blocks, fixed, per_sample, micro_batch_size,
+                        source="the ViT's reference costs, one idle core")
+
+
+@functools.lru_cache(maxsize=None)
+def explorer_model(config_path: str = CONFIG_PATH) -> ModelSpec:
+    """The ViT as the notebook dashboard takes it: placed by ``layers_per_ipu`` (its
+    IPUConfig's to start, a few others offered), micro-batches of 16 MNIST images. One spec per
+    ``config_path`` (the same object on every call)."""
+    config = IPUConfig.from_pretrained(config_path)
+    layers = num_layers_for(config)
+    presets = ("2, 2, 2, 2", "1, 1, 1, 1, 1, 1, 1, 1", "3, 3, 1, 1", "-1, -1, -1, -1", "3, -1, -1",
+               "4, 4", "-1, -1", "0, 4, 4", f"{layers}")
+    blocks = tuple(reference_costs(16, layers).blocks)
+    return ModelSpec("ViT", blocks, functools.partial(ViT, num_layers=layers), layers=layers,
+                     alike=(tuple(b for b in blocks if b.startswith("Encoder")),),
+                     layer_blocks=tuple(b for b in blocks if b.startswith("Encoder")),
+                     together=(("LayerNorm", "Classifier"),),
+                     default_layers=tuple(config.layers_per_ipu), presets=presets,
+                     micro_batch_size=16,
+                     reference_costs=functools.partial(reference_costs, num_layers=layers))

@@ -16,6 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .contract import action_note
 from .gpu_clock import GpuClock
 from .fused import FusedBackward
 from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
@@ -47,6 +48,10 @@ class ActionRunner:
         # (see ipukit.fused); schedules with split backwards keep their stages apart.
         self.fused = FusedBackward(self) if fused and plan.training else None
         self.clock = GpuClock()
+        #: actions completed per worker slot (the watchdog's only cost on the hot path), and
+        #: per slot the actions it runs now with the count completed before them
+        self.progress: List[int] = [0]
+        self.running: List[Tuple[Sequence[Action], int, int]] = [((), 0, 0)]
 
     def index(self, a: Action, replica: int) -> int:
         """The micro-batch's row in the call's combined batch."""
@@ -176,8 +181,12 @@ class ActionRunner:
                 acc[i].add_(g)
 
     def run(self, actions: Sequence[Action], replica: int, stash: dict, events: List[Event],
-            t0: float, call_index: int) -> None:
-        """Run ``actions`` in order (steps are the host's, skipped here); record their spans."""
+            t0: float, call_index: int, slot: int = 0) -> None:
+        """Run ``actions`` in order (steps are the host's, skipped here); record their spans.
+
+        ``slot``: the worker's counter in :attr:`progress` (one per worker)."""
+        progress = self.progress
+        self.running[slot] = (actions, progress[slot], replica)
         record = self.plan.record
         ipus = self.plan.stage_ipus
         exchange = self.exchange
@@ -200,10 +209,9 @@ class ActionRunner:
                 raise
             except BaseException as exc:
                 if hasattr(exc, "add_note"):
-                    exc.add_note(f"(ipukit: raised by virtual IPU {ipus[a.stage]}, replica "
-                                 f"{replica}, running {a} — {KIND_NAMES[kind]} of micro-batch "
-                                 f"{a.micro_batch} on stage {a.stage}, iteration {a.iteration})")
+                    exc.add_note(action_note(a, ipus[a.stage], replica))
                 raise
+            progress[slot] += 1
             if record:
                 if type(start) is float:
                     events.append(Event(a.stage, KIND_NAMES[kind], a.micro_batch, start - t0,

@@ -37,6 +37,13 @@ def action_event(stage: int, kind: str, micro_batch: int, start: float, end: flo
     return Event(stage, KIND_NAMES[kind], micro_batch, start, end, ipu, replica, iteration, call)
 
 
+def action_note(action, ipu, replica: int) -> str:
+    """The note an error raised inside an action carries: which virtual IPU, what it ran."""
+    return (f"(ipukit: raised by virtual IPU {ipu}, replica {replica}, running {action} — "
+            f"{KIND_NAMES[action.kind]} of micro-batch {action.micro_batch} on stage "
+            f"{action.stage}, iteration {action.iteration})")
+
+
 def step_events(stage_ipus: Iterable[Tuple[int, int]], replicas: Sequence[int], iteration: int,
                 call: int, t_start: float, t_opt: float, t_end: float,
                 transfers: Sequence[Tuple[float, float]] = (), t0: float = 0.0) -> List[Event]:

@@ -14,6 +14,7 @@ Ctrl-C pressed again meanwhile waits until that is done.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -21,13 +22,15 @@ from typing import List, Optional
 
 import torch
 
-from . import update
+from . import fused, memory_track, update
 from .actions import ActionRunner
 from ..core.ops import running_on_ipu
 from ..compile.program import Program
 from ..schedules.ir import Schedule
 from ..timeline.events import Event, Timeline
 from .abort import abort_call
+from . import watchdog as stall
+from ..core.errors import StallError
 from .contract import step_events
 from .workers import Aborted, Exchange, InterruptGuard, Pool
 
@@ -65,7 +68,8 @@ class CallRunner:
 
     def __init__(self, plan: Program, schedule: Schedule, micro_inputs: List[list],
                  replicas: int, optimizer=None, clock_origin: Optional[float] = None,
-                 call_index: int = 0, anchors=None, keep_rows=None) -> None:
+                 call_index: int = 0, anchors=None, keep_rows=None,
+                 stall_timeout: Optional[float] = None) -> None:
         self.plan = plan
         self.schedule = schedule
         self.replicas = replicas
@@ -87,7 +91,14 @@ class CallRunner:
                                     and not schedule.split_backward)
         self.events: List[List[Event]] = []
         self.steps_done = 0
+        self.stall_timeout = stall_timeout  # seconds without a completed action (None: off)
+        self.actions.progress = [0] * self.workers
+        self.actions.running = [((), 0, 0)] * self.workers
         self.guard = InterruptGuard()
+        # measured memory per virtual IPU (opt-in: memory_track.track_memory())
+        self.memory = (memory_track.CallMemory(plan, schedule, replicas, optimizer, self.t0,
+                                               micro_inputs) if memory_track.tracking(plan) else None)
+        self.memory_tracks: list = []
 
     def step(self, iteration: int) -> None:
         """Combine accumulated gradients (Mean or Sum) and step the optimiser once."""
@@ -104,6 +115,8 @@ class CallRunner:
             if self.anchors is not None:
                 self.anchors.step_done(iteration)
             self.steps_done += 1
+            if self.memory is not None:
+                self.memory.after_step()
         if plan.record:
             self._record_step(iteration, t_start, t_opt, t_end, transfers)
 
@@ -125,6 +138,8 @@ class CallRunner:
                     self._run_inline()
                 else:
                     self._run_threads()
+                if self.memory is not None:
+                    self.memory_tracks = self.memory.finish()
             except BaseException:
                 # every worker has ended here (see _run_threads): what is left is the state
                 if snapshot is not None:
@@ -148,11 +163,18 @@ class CallRunner:
         if threads:
             torch.set_num_threads(threads)
         run, stash = self.actions.run, {}
+        # a sharded call runs each micro-batch as a plain loop would (see fused.Chain)
+        chain = (fused.Chain(self.actions)
+                 if fused.Chain.fits(self.actions, self.schedule, self.memory) else None)
         try:
-            with self._grad_mode():
+            with self._grad_mode(), self._memory(0, self.schedule.lane_ipus), \
+                    chain if chain is not None else contextlib.nullcontext():
                 for it in range(self._iterations()):
                     for lane in self.schedule.iteration_lanes(it):
-                        run(lane, 0, stash, events, self.t0, self.call_index)
+                        if chain is not None:
+                            chain.run(lane, events, self.t0, self.call_index)
+                        else:
+                            run(lane, 0, stash, events, self.t0, self.call_index)
                     if self.plan.training:
                         self.step(it)
         finally:
@@ -180,7 +202,8 @@ class CallRunner:
             replica, lane = divmod(index, lanes)
             torch.set_num_threads(threads_each)
             stash: dict = {}
-            with running_on_ipu(), self._grad_mode():
+            with running_on_ipu(), self._grad_mode(), self._memory(replica,
+                                                                   schedule.lane_ipus[lane:lane + 1]):
                 for it in range(iterations):
                     go[it].wait()
                     if exchange.aborted:
@@ -188,20 +211,26 @@ class CallRunner:
                     actions = (schedule.iteration_lanes(it)[lane] if training
                                else schedule.lanes[lane])
                     self.actions.run(actions, replica, stash, per_worker[index], self.t0,
-                                     self.call_index)
+                                     self.call_index, index)
                     finished.release()
 
         names = [f"ipukit-ipu{ipu if ipu is not None else 'all'}-replica{r}"
                  for r in range(self.replicas) for ipu in schedule.lane_ipus]
         pool = Pool(names, work, on_error=exchange.abort).start()
         failure: Optional[BaseException] = None
+        watch = (stall.Watchdog(self.stall_timeout, self.actions.progress)
+                 if self.stall_timeout else None)
         try:
             for it in range(iterations):
                 go[it].set()
+                if watch is not None:
+                    watch.restart()  # the host's step in between is no stall
                 done = 0
                 while done < self.workers and not exchange.aborted:
                     if finished.acquire(timeout=0.05):
                         done += 1
+                    elif watch is not None and watch.stalled():
+                        raise self._stalled(pool, it)
                 if exchange.aborted:
                     break
                 if training:
@@ -215,10 +244,72 @@ class CallRunner:
                 for event in go:   # workers waiting for a later iteration see the abort
                     event.set()
 
-            # every worker has ended when this returns, even after a second Ctrl-C
-            abort_call(stop, pool.join, None, self.guard, absorb=failure is not None)
+            # every worker has ended when this returns, even after a second Ctrl-C; after a
+            # stall, a worker inside a user's operation cannot be stopped: wait a little only
+            stalled = isinstance(failure, StallError)
+            alive = abort_call(stop, pool.join, None, self.guard,
+                               deadline=min(2.0, self.stall_timeout) if stalled else None,
+                               absorb=failure is not None)
+            if stalled and alive:
+                failure.args = (failure.args[0] + stall.stuck_note(alive, failure.lanes),)
+                failure.stuck = alive
         if pool.error is not None:
             raise pool.error
+
+    def _stalled(self, pool: Pool, iteration: int) -> StallError:
+        """The error of a call whose workers stopped completing actions: what each waits for."""
+        schedule, plan = self.schedule, self.plan
+        lanes_n = len(schedule.lanes)
+        found = stall.frames()
+        lanes = []
+        for index, thread in enumerate(pool.threads):
+            replica, lane = divmod(index, lanes_n)
+            actions, before, _ = self.actions.running[index]
+            done = self.actions.progress[index] - before
+            ipu = schedule.lane_ipus[lane] if schedule.lane_ipus else lane
+            label = (f"virtual IPU {ipu}" if ipu is not None else "the one lane") + \
+                (f", replica {replica}" if self.replicas > 1 else "")
+            frame = found.get(thread.ident)
+            key = stall.waiting_key(frame) if frame is not None else None
+            waits = waits_on = inside = None
+            if key is not None:
+                waits, waits_on = self._describe_wait(key)
+            elif frame is not None and thread.is_alive():
+                inside = stall.operation(frame) or f"the module of stage {actions[done].stage}" \
+                    if done < len(actions) else None
+            finished = not thread.is_alive() or (done >= len(actions) and key is None)
+            lanes.append(stall.Lane(thread.name, label, actions, done, waits, waits_on, inside,
+                                    finished))
+        ipu_lane = {ipu: k for k, ipu in enumerate(schedule.lane_ipus)}
+
+        def find(stage: int, replica: int):
+            k = ipu_lane.get(schedule.stage_ipus[stage], 0)
+            index = replica * lanes_n + k
+            return lanes[index] if index < len(lanes) else None
+
+        where = "virtual IPU" + (" or replica" if self.replicas > 1 else "")
+        text = stall.message(self.stall_timeout, where, lanes, stall.cause_of(lanes, find))
+        error = StallError(text)
+        error.lanes = lanes
+        error.iteration = iteration
+        return error
+
+    def _describe_wait(self, key: tuple):
+        """What a mailbox key is: words, and the (stage, replica) that will send it."""
+        if key[0] == "A":
+            _, stage, pos, _, micro, replica = key
+            source = self.plan.partition.stages[stage].args[pos].index
+            return (f"{source}F{micro}'s output from stage {source}", (source, replica))
+        _, stage, consumer, _, _, micro, replica = key
+        return (f"the gradient of micro-batch {micro} from stage {consumer} "
+                f"({consumer}{'I' if self.schedule.split_backward else 'B'}{micro})",
+                (consumer, replica))
+
+    def _memory(self, replica: int, lane_ipus):
+        """This thread's memory account: its lane's virtual IPU (one IPU for several lanes)."""
+        if self.memory is None:
+            return contextlib.nullcontext()
+        return self.memory.thread(replica, lane_ipus[0] if len(lane_ipus) == 1 else None)
 
     def timeline(self, samples: int) -> Timeline:
         self.actions.clock.resolve(self.t0)
@@ -227,4 +318,4 @@ class CallRunner:
         meta.update({"schedule": self.schedule.kind, "replicas": self.replicas,
                      "samples": samples, "training": self.plan.training,
                      "call": self.call_index})
-        return Timeline(events, modeled=False, meta=meta)
+        return Timeline(events, modeled=False, meta=meta, memory=list(self.memory_tracks))

@@ -106,6 +106,25 @@ class Schedule:
     def sequential(self) -> bool:
         return self.kind.startswith("sharded")
 
+    @cached_property
+    def chained(self) -> bool:
+        """Whether one lane runs each micro-batch whole before the next, as a plain loop does:
+        every stage's forward in order, then every stage's full backward in reverse."""
+        n = self.num_stages
+        if len(self.lanes) != 1 or not n:
+            return False
+        for it in range(self.iterations):
+            lane = self.iteration_lanes(it)[0]
+            if len(lane) % (2 * n):
+                return False
+            for first in range(0, len(lane), 2 * n):
+                mb = lane[first].micro_batch
+                if lane[first:first + 2 * n] != \
+                        [Action(FORWARD, s, mb, it) for s in range(n)] + \
+                        [Action(BACKWARD, s, mb, it) for s in reversed(range(n))]:
+                    return False
+        return True
+
     def actions(self) -> List[Action]:
         return [a for lane in self.lanes for a in lane]
 
@@ -228,9 +247,27 @@ class Schedule:
                                 and (WEIGHT_GRAD, s, m, it) in seen:
                             continue
                         raise ScheduleError(f"action '{s}{kind}{m}' of iteration {it} is missing")
+        self._check_lane_order()
         unit = {k: [1.0] * N for k in ACTION_KINDS}
         walk(self.lanes, N, unit)
         return self
+
+    def _check_lane_order(self) -> None:
+        """A backward before its own forward (or W before its I) in one lane waits forever."""
+        needs = {BACKWARD: (FORWARD, "its forward"), INPUT_GRAD: (FORWARD, "its forward"),
+                 WEIGHT_GRAD: (INPUT_GRAD, "its input gradient")}
+        for li, lane in enumerate(self.lanes):
+            where = {a: i for i, a in enumerate(lane)}
+            for i, a in enumerate(lane):
+                if a.kind not in needs:
+                    continue
+                kind, words = needs[a.kind]
+                first = a._replace(kind=kind)
+                if where.get(first, -1) > i:
+                    raise ScheduleError(
+                        f"schedule deadlocks: action {a} comes before {words} {first} in lane "
+                        f"{li} (iteration {a.iteration}), so lane {li} would wait for itself "
+                        f"forever: move {a} after {first}")
 
     def describe(self) -> Dict[str, object]:
         return {"kind": self.kind, "num_stages": self.num_stages,
@@ -384,5 +421,53 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
             queue(w)
     stuck = [str(lanes[li][pos[w]]) for w, (_, li) in enumerate(workers) if pos[w] < len(lanes[li])]
     if stuck:
-        raise ScheduleError(f"schedule deadlocks: lanes wait at {stuck}")
+        raise ScheduleError(_deadlock(lanes, workers, pos, N, stuck))
     return times if limited else times * replicas
+
+
+def _deadlock(lanes, workers, pos, num_stages: int, stuck: List[str]) -> str:
+    """Which lane waits at which action for which other action, followed to a cycle."""
+    home: Dict[tuple, int] = {}
+    for li, lane in enumerate(lanes):
+        for a in lane:
+            home[(a.kind, a.stage, a.micro_batch, a.iteration)] = li
+    at = {li: pos[w] for w, (r, li) in enumerate(workers) if r == 0}
+
+    def needed(li: int) -> Optional[Action]:
+        if at.get(li, 0) >= len(lanes[li]):
+            return None
+        kind, s, m, it = lanes[li][at[li]]
+        if kind == STEP:
+            return None
+        if kind == FORWARD:
+            return Action(FORWARD, s - 1, m, it) if s > 0 else None
+        if kind == WEIGHT_GRAD:
+            return Action(INPUT_GRAD, s, m, it)
+        if (FORWARD, s, m, it) in home and at.get(home[(FORWARD, s, m, it)], 0) <= \
+                lanes[home[(FORWARD, s, m, it)]].index(Action(FORWARD, s, m, it)):
+            return Action(FORWARD, s, m, it)
+        if s == num_stages - 1:
+            return None
+        nxt = Action(BACKWARD, s + 1, m, it)
+        return nxt if tuple(nxt) in home else Action(INPUT_GRAD, s + 1, m, it)
+
+    chain: List[int] = []
+    li = next((k for k in range(len(lanes)) if needed(k) is not None), None)
+    parts = []
+    while li is not None and li not in chain:
+        chain.append(li)
+        want = needed(li)
+        if want is None:
+            break
+        owner = home.get(tuple(want))
+        parts.append(f"lane {li} waits at {lanes[li][at[li]]} for {want}"
+                     + (f" (lane {owner})" if owner is not None else " (which no lane runs)"))
+        li = owner
+    if not parts:
+        return f"schedule deadlocks: lanes wait at {stuck}"
+    text = "schedule deadlocks: " + ", which ".join(
+        p if i == 0 else p.split(" ", 2)[2] for i, p in enumerate(parts))
+    if li is not None and li in chain:
+        text += ": the lanes wait for each other in a cycle"
+    return text + f" (lanes wait at {stuck}); reorder the lanes' actions so that what each " \
+        "lane waits for can run first"

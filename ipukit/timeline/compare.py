@@ -8,6 +8,21 @@ looped, ZBV, DualPipeV: v = 2) cuts that part into v stages of 1/v the cost and
 with :func:`ipukit.simulate` and reports its time, its bubble and the peak
 activations each IPU holds, in units of "one micro-batch's activations of one
 IPU's part of the model". Everything here is modeled, and labelled so.
+
+That even cut is an idealisation. Given a calibrated :class:`~ipukit.timeline.costs.CostTable`
+(``table=``), every schedule is instead modeled from a real partition of the network's
+blocks: the blocks are cut into as many contiguous stages as the schedule places
+(``num_ipus`` for GPipe, 1F1B and ZB-H1; ``virtual_stages × num_ipus`` in a loop; two per
+IPU in a V, the first and last stage on IPU 0), each stage costing its blocks' measured
+forward, backward, ``I`` and ``W``. Every bar then uses the same ``num_ipus`` IPUs; a
+schedule with more stages than the network has blocks is unavailable, with the reason
+(``ScheduleSummary.ipus`` and ``ipu_time``, IPU-seconds per step, make this checkable).
+
+Communication: with ``transfer_cost`` (a table's hand-off by default) and
+``communication="exposed"`` (the default), a send to another IPU occupies the sending
+IPU for the transfer, except in DualPipeV's paired forward and backward, where it
+overlaps the partner's compute (DeepSeek's point: the pair hides its communication);
+``"latency"`` makes every transfer latency only (the receiver waits, no one is busy).
 """
 from __future__ import annotations
 
@@ -17,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from ..schedules.ir import ScheduleError
 from ..schedules.registry import PIPELINED_KINDS
 from ..schedules.generators import LOOPED, V_SHAPED, minimum_micro_batches, placement
+from .costs import CostTable, even_split
 from .simulate import per_stage, simulate
 from .events import BACKWARD_END_KINDS, COMPUTE_KINDS, Timeline
 
@@ -39,6 +55,9 @@ class ScheduleSummary:
     available: bool = True
     reason: str = ""
     modeled: bool = True
+    ipus: int = 0                             # IPUs the schedule ran on
+    ipu_time: float = 0.0                     # step_time × ipus: IPU-time per step
+    stage_blocks: Optional[List[List[str]]] = None   # the partition (with a table)
 
 
 def layout(kind: str, num_ipus: int, virtual_stages: int = VIRTUAL_STAGES) -> List[int]:
@@ -86,29 +105,63 @@ def bubble(timeline: Timeline, num_ipus: int) -> float:
 
 def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost = 1.0,
               backward_cost: Cost = 2.0, weight_share: float = 0.5,
-              transfer_cost: float = 0.0, virtual_stages: int = VIRTUAL_STAGES
+              transfer_cost: Optional[float] = None, virtual_stages: int = VIRTUAL_STAGES,
+              table: Optional[CostTable] = None, communication: str = "exposed"
               ) -> ScheduleSummary:
-    """Model one step of ``kind`` on ``num_ipus`` IPUs (see the module docstring)."""
+    """Model one step of ``kind`` on ``num_ipus`` IPUs (see the module docstring).
+
+    ``table``: model it from a real partition of the table's blocks instead of the
+    per-IPU costs; ``transfer_cost`` then defaults to the table's hand-off.
+    """
+    if communication not in ("exposed", "latency"):
+        raise ValueError(f"communication must be 'exposed' or 'latency', got {communication!r}")
     P, M = int(num_ipus), int(micro_batches)
     ipus = layout(kind, P, virtual_stages)
     N = len(ipus)
-    summary = ScheduleSummary(kind, PIPELINED_KINDS[kind], N)
+    summary = ScheduleSummary(kind, PIPELINED_KINDS[kind], N, ipus=P)
     needed = 1 if kind in ("gpipe", "1f1b") else minimum_micro_batches(kind, N, P)
     if M < needed:
         summary.available, summary.reason = False, f"needs ≥ {needed} micro-batches"
         return summary
-    v = N // P
-    fwd = per_stage(forward_cost, P, "forward_cost")
-    bwd = per_stage(backward_cost, P, "backward_cost")
+    if transfer_cost is None:
+        transfer_cost = table.handoff if table is not None else 0.0
+    split = {}
+    if table is not None:
+        if N > len(table.blocks):
+            summary.available = False
+            summary.reason = (f"needs {N} stages on {P} IPUs; the network has "
+                              f"{len(table.blocks)} blocks")
+            return summary
+        stages = even_split(table.blocks, N)
+        c = table.stage_costs(stages)
+        fwd_s, bwd_s = c["forward"], c["backward"]
+        split = {"input_grad_cost": c.get("input-grad"), "weight_grad_cost": c.get("weight-grad")}
+        if "input-grad" not in c:    # the first stage's W is its whole backward
+            split = {"input_grad_cost": [0.0 if s == 0 else b * (1 - table.weight_share)
+                                         for s, b in enumerate(bwd_s)],
+                     "weight_grad_cost": [b if s == 0 else b * table.weight_share
+                                          for s, b in enumerate(bwd_s)]}
+        summary.stage_blocks = stages
+    else:
+        v = N // P
+        fwd = per_stage(forward_cost, P, "forward_cost")
+        bwd = per_stage(backward_cost, P, "backward_cost")
+        fwd_s, bwd_s = [fwd[i] / v for i in ipus], [bwd[i] / v for i in ipus]
     try:
-        tl = simulate(kind, N, M, [fwd[i] / v for i in ipus], [bwd[i] / v for i in ipus],
-                      transfer_cost=transfer_cost, stage_ipus=ipus, weight_share=weight_share)
+        tl = simulate(kind, N, M, fwd_s, bwd_s, transfer_cost=transfer_cost, stage_ipus=ipus,
+                      weight_share=weight_share, exposed_transfers=communication == "exposed",
+                      **split)
     except ScheduleError as exc:
         summary.available, summary.reason = False, str(exc)
         return summary
     tl.meta["stage_ipus"] = ipus
+    tl.meta["communication"] = communication
+    if table is not None:
+        tl.meta["stage_blocks"] = summary.stage_blocks
+        tl.meta["calibrated"] = True
     summary.timeline = tl
     summary.step_time = tl.end - tl.start
+    summary.ipu_time = summary.step_time * P
     summary.bubble = bubble(tl, P)
     summary.peak_activations = peak_activations(tl, ipus)
     return summary
@@ -116,10 +169,15 @@ def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost =
 
 def compare_schedules(num_ipus: int, micro_batches: int, forward_cost: Cost = 1.0,
                       backward_cost: Cost = 2.0, weight_share: float = 0.5,
-                      kinds: Optional[Sequence[str]] = None, transfer_cost: float = 0.0,
-                      virtual_stages: int = VIRTUAL_STAGES) -> Dict[str, ScheduleSummary]:
+                      kinds: Optional[Sequence[str]] = None,
+                      transfer_cost: Optional[float] = None,
+                      virtual_stages: int = VIRTUAL_STAGES, table: Optional[CostTable] = None,
+                      communication: str = "exposed") -> Dict[str, ScheduleSummary]:
     """Every pipelined schedule (or ``kinds``) modeled on the same IPUs and model
-    (``virtual_stages``: stages per IPU of interleaved 1F1B and looped BFS)."""
+    (``virtual_stages``: stages per IPU of interleaved 1F1B and looped BFS; ``table``:
+    a calibrated cost table, whose blocks are cut into each schedule's stages;
+    ``communication``: see the module docstring)."""
     kinds = list(PIPELINED_KINDS) if kinds is None else list(kinds)
     return {k: summarize(k, num_ipus, micro_batches, forward_cost, backward_cost,
-                         weight_share, transfer_cost, virtual_stages) for k in kinds}
+                         weight_share, transfer_cost, virtual_stages, table=table,
+                         communication=communication) for k in kinds}

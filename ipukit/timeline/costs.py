@@ -10,14 +10,23 @@ costs a real call pays on top of the blocks' compute:
   stage module's call);
 - an activation or gradient that crosses to another virtual IPU costs ``handoff`` (a
   worker waking another); stages on the same IPU hand over for free;
-- at most ``cores`` passes run at once (workers beyond the cores wait for one);
+- a split backward's halves cost their blocks' measured ``input_grad`` and
+  ``weight_grad`` (the stage that takes the data has no input gradient: its ``W`` is a
+  full backward of its blocks); unmeasured, ``weight_share`` of a full backward;
+- while k passes of different workers run at once, each advances at
+  ``concurrency[k − 1] / k`` of its speed alone (:func:`~ipukit.timeline.simulate.play_shared`):
+  the calibrated rate of k concurrent passes, which holds the cores, the interpreter
+  lock a pass holds for its Python side, and the slowdown of more workers than cores;
+  without it, at most ``cores`` passes run at once (workers beyond the cores wait);
 - each optimiser step costs ``step`` on the host, once per iteration, after the flush;
 - a call pays ``host_before`` (splitting the inputs) and ``host_after`` (gathering the
   outputs) around its passes.
 
-What the table leaves out is said where the model is drawn: interpreter-lock contention
-between workers sharing a core, caches warmed by a neighbouring pass, and the operating
-system's scheduling. A modeled figure is labelled ``modeled`` (``Timeline.modeled``).
+What the model leaves out is said where it is drawn (``Timeline.meta["notes"]``, shown
+under :func:`ipukit.viz.plots.compare_figure`): contention is an average rate — which
+worker the interpreter lock and the operating system favour at each moment, and caches
+warmed by a neighbouring pass, are not modeled. A modeled figure is labelled
+``modeled`` (``Timeline.modeled``).
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from typing import Dict, List, Optional, Sequence
 from ..schedules.build import build
 from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, walk
 from .events import Event, Timeline
+from .simulate import play_shared
 from .kinds import KIND_NAMES
 
 
@@ -48,6 +58,16 @@ class CostTable:
     device: str = "cpu"
     micro_batch: int = 0                  #: the micro-batch size the table was measured at
     notes: Dict[str, str] = field(default_factory=dict)
+    #: per block, a split backward's input-gradient half (``I``), measured alone; None:
+    #: ``(1 − weight_share) × backward``
+    input_grad: Optional[List[float]] = None
+    #: per block, its weight-gradient half (``W``, with the gradient accumulation); None:
+    #: ``weight_share × backward``
+    weight_grad: Optional[List[float]] = None
+    #: the work rate of k passes running at once on threads (k = 1, 2, ...; the first is
+    #: 1): what k workers really get from the cores (their count, the interpreter lock,
+    #: the scheduler). None: k passes get min(k, cores)
+    concurrency: Optional[List[float]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +90,20 @@ class CostTable:
                for names in stage_blocks]
         bwd = [sum(self.backward[index[b]] for b in names) + self.per_pass
                for names in stage_blocks]
-        return {"forward": fwd, "backward": bwd}
+        out = {"forward": fwd, "backward": bwd}
+        if self.input_grad and self.weight_grad:
+            # the stage that takes the data needs no input gradient: its W is a full
+            # backward of its blocks (ipukit's W back-propagates from the stage's outputs)
+            first = self.blocks[0] if self.blocks else None
+            out["input-grad"] = [
+                (self.input_grad[index[names[0]]] if names and names[0] == first
+                 else sum(self.input_grad[index[b]] for b in names)) + self.per_pass
+                for names in stage_blocks]
+            out["weight-grad"] = [
+                (sum(self.backward[index[b]] for b in names) if names and names[0] == first
+                 else sum(self.weight_grad[index[b]] for b in names)) + self.per_pass
+                for names in stage_blocks]
+        return out
 
 
 def even_split(blocks: Sequence[str], stages: int) -> List[List[str]]:
@@ -101,24 +134,47 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     on_ipu = {i: ipus.count(i) for i in set(ipus)}
     # the executor steps once on the host for every stage; spread over a lane's stages
     step = [table.step / on_ipu[ipus[s]] if training else 0.0 for s in range(N)]
-    # a split backward: I then W. The first stage's inputs are the data, which need no
-    # gradient: its I computes nothing (only the pass), its W is the whole backward
-    # (measured: 0.01 ms of I against 2.65 ms of W for the convnet's first stage)
-    share = [1.0 if s == 0 else table.weight_share for s in range(N)]
-    costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step,
-             INPUT_GRAD: [(b - table.per_pass) * (1 - w) + table.per_pass
-                          for b, w in zip(bwd, share)],
-             WEIGHT_GRAD: [(b - table.per_pass) * w + table.per_pass
-                           for b, w in zip(bwd, share)]}
+    if "input-grad" in c:      # measured halves (calibrate times I and W of every block)
+        i_cost, w_cost = c["input-grad"], c["weight-grad"]
+    else:
+        # a split backward: I then W, B split by weight_share. The first stage's inputs
+        # are the data, which need no gradient: its I computes nothing (only the pass),
+        # its W is the whole backward (measured: 0.01 ms of I against 2.65 ms of W for
+        # the convnet's first stage)
+        share = [1.0 if s == 0 else table.weight_share for s in range(N)]
+        i_cost = [(b - table.per_pass) * (1 - w) + table.per_pass for b, w in zip(bwd, share)]
+        w_cost = [(b - table.per_pass) * w + table.per_pass for b, w in zip(bwd, share)]
+    costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}
     transfers = {FORWARD: [table.handoff if s and ipus[s - 1] != ipus[s] else 0.0
                            for s in range(N)],
                  BACKWARD: [table.handoff if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0
                             for s in range(N)]}
     workers = len(schedule.lanes) * replicas
-    limit = int(cores if cores is not None else table.cores)
-    limit = limit if limit < workers else None     # enough cores: no contention to model
     start = table.host_before
-    times = walk(schedule.lanes, N, costs, transfers, start, cores=limit, replicas=replicas)
+    notes: List[str] = []
+    concurrent = workers > 1 and "sharded" not in schedule.kind   # sharded: one at a time
+    if cores is None and table.concurrency and concurrent:
+        # k passes at once share the CPU at the calibrated rate of k concurrent passes
+        limit = None
+        times = play_shared(schedule.lanes, N, costs, transfers, start,
+                            parallelism=table.concurrency, replicas=replicas)
+        rates = ", ".join(f"{r:.2f}" for r in table.concurrency[:workers])
+        notes.append(f"{workers} workers on {table.cores} cores: k passes at once run at "
+                     f"the calibrated rate of k concurrent passes ({rates} for k = 1, 2, …), "
+                     "an average; which worker the interpreter lock and the scheduler favour "
+                     "at each moment is not modeled")
+    else:
+        limit = int(cores if cores is not None else table.cores)
+        limit = limit if limit < workers else None     # enough cores: no contention to model
+        times = walk(schedule.lanes, N, costs, transfers, start, cores=limit,
+                     replicas=replicas)
+        if concurrent and not table.concurrency:
+            notes.append("contention not calibrated: passes of different workers are modeled "
+                         "as running in parallel up to the core count; interpreter-lock "
+                         "contention between workers is left out")
+    if training and schedule.kind in ("zb-h1", "zbv", "dualpipev") and "input-grad" not in c:
+        notes.append(f"split backward modeled as {1 - table.weight_share:.0%} / "
+                     f"{table.weight_share:.0%} of a full backward (I and W not measured)")
     events: List[Event] = []
     if table.host_before > 0:
         events.append(Event(-1, "host", -1, 0.0, table.host_before, -1, 0, 0, 0))
@@ -133,7 +189,8 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": micro_batches,
             "iterations": schedule.iterations, "replicas": replicas, "stage_ipus": ipus,
             "stage_blocks": [list(b) for b in stage_blocks], "calibrated": True,
-            "cores": limit, "per_pass": table.per_pass, "handoff": table.handoff}
+            "cores": limit, "per_pass": table.per_pass, "handoff": table.handoff,
+            "notes": notes}
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)

@@ -41,6 +41,46 @@ class Event(NamedTuple):
 
 
 @dataclass
+class MemoryTrack:
+    """Bytes really alive on one virtual IPU over a call, measured (see ``ipukit.runtime.memory_track``).
+
+    ``samples`` are (seconds from the call's start, bytes alive), one at each allocation or
+    release, coalesced (the peak always kept); ``baseline`` the bytes alive when the call
+    started (parameters, buffers, optimiser state), ``peak`` the most at once (at
+    ``peak_time``), ``end`` what was left when it ended. ``parts``: the baseline's parts
+    (``parameters``, ``buffers``, ``optimizer_state``, ``gradients``) in bytes.
+    ``allocator_peak``: ``torch.cuda.max_memory_allocated`` of the IPU's GPU over the call
+    (None off GPU; every stage on that GPU shares it). ``ipu`` -1: one thread ran every IPU.
+    """
+
+    ipu: int
+    replica: int = 0
+    samples: List[tuple] = field(default_factory=list)
+    baseline: int = 0
+    peak: int = 0
+    peak_time: float = 0.0
+    end: int = 0
+    parts: Dict[str, int] = field(default_factory=dict)
+    allocator_peak: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        ipu = "all IPUs" if self.ipu < 0 else f"IPU {self.ipu}"
+        return ipu if self.replica == 0 else f"{ipu} · replica {self.replica}"
+
+    def shifted(self, offset: float) -> "MemoryTrack":
+        return MemoryTrack(self.ipu, self.replica, [(t + offset, b) for t, b in self.samples],
+                           self.baseline, self.peak, self.peak_time + offset, self.end,
+                           dict(self.parts), self.allocator_peak)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"ipu": self.ipu, "replica": self.replica, "baseline": self.baseline,
+                "peak": self.peak, "peak_time": self.peak_time, "end": self.end,
+                "parts": dict(self.parts), "allocator_peak": self.allocator_peak,
+                "samples": [list(s) for s in self.samples]}
+
+
+@dataclass
 class Timeline:
     """Events of one (or more) model calls, plus what produced them.
 
@@ -52,6 +92,8 @@ class Timeline:
     events: List[Event] = field(default_factory=list)
     modeled: bool = False
     meta: Dict[str, Any] = field(default_factory=dict)
+    #: measured bytes alive per virtual IPU over the call (empty unless memory was tracked)
+    memory: List[MemoryTrack] = field(default_factory=list)
 
     # -- basic measures -------------------------------------------------------
     @property
@@ -152,14 +194,28 @@ class Timeline:
 
     def shifted(self, offset: float) -> "Timeline":
         return Timeline([e._replace(start=e.start + offset, end=e.end + offset)
-                         for e in self.events], self.modeled, dict(self.meta))
+                         for e in self.events], self.modeled, dict(self.meta),
+                        [m.shifted(offset) for m in self.memory])
+
+    # -- measured memory -------------------------------------------------------
+    def memory_track(self, ipu: int, replica: int = 0) -> Optional[MemoryTrack]:
+        """The measured memory of one virtual IPU (None when memory was not tracked)."""
+        return next((m for m in self.memory if m.ipu == ipu and m.replica == replica), None)
+
+    def memory_peaks(self) -> Dict[int, int]:
+        """Measured peak bytes per virtual IPU (the largest over its replicas); {} if untracked."""
+        out: Dict[int, int] = {}
+        for m in self.memory:
+            out[m.ipu] = max(out.get(m.ipu, 0), m.peak)
+        return dict(sorted(out.items()))
 
     # -- exports ---------------------------------------------------------------
     def to_chrome_trace(self, path: Optional[str] = None) -> Dict[str, Any]:
         """Chrome trace-event JSON (opens in Perfetto / chrome://tracing).
 
         One process per replica, one thread (track) per virtual IPU, plus a host
-        track; complete events (``ph: "X"``) with real durations in µs.
+        track; complete events (``ph: "X"``) with real durations in µs. A call that
+        tracked its memory adds a counter (``ph: "C"``, MiB) per virtual IPU.
         """
         events: List[Dict[str, Any]] = []
         t0 = self.start
@@ -181,6 +237,12 @@ class Timeline:
                 "pid": max(e.replica, 0), "tid": e.ipu + 1,
                 "args": {"stage": e.stage, "micro_batch": e.micro_batch,
                          "iteration": e.iteration, "call": e.call}})
+        for m in self.memory:   # measured memory: one counter track per virtual IPU
+            name = f"memory {m.name}"
+            for t, b in m.samples:
+                events.append({"name": name, "cat": "memory", "ph": "C",
+                               "ts": round(max(0.0, t - t0) * 1e6, 3), "pid": max(m.replica, 0),
+                               "tid": m.ipu + 1, "args": {"MiB": round(b / 2 ** 20, 6)}})
         trace = {"traceEvents": events, "displayTimeUnit": "ms",
                  "otherData": {"ipukit": self.label, **{k: _plain(v) for k, v in self.meta.items()}}}
         if path is not None:
@@ -198,6 +260,12 @@ class Timeline:
 
         return timeline_figure(self, **kwargs)
 
+    def memory_figure(self, **kwargs):
+        """The schedule with each IPU's measured memory under it (:func:`ipukit.plots.memory_timeline_figure`)."""
+        from ..viz.plots import memory_timeline_figure
+
+        return memory_timeline_figure(self, **kwargs)
+
     @staticmethod
     def concat(timelines: Iterable["Timeline"]) -> "Timeline":
         """Join consecutive calls' timelines on one time axis.
@@ -213,6 +281,7 @@ class Timeline:
             shift = offset - tl.start
             for e in tl.events:
                 out.events.append(e._replace(start=e.start + shift, end=e.end + shift, call=k))
+            out.memory = _join_memory(out.memory, [m.shifted(shift) for m in tl.memory])
             offset += tl.wall_time
             out.modeled = tl.modeled
             metas.append(dict(tl.meta))
@@ -334,15 +403,18 @@ class Timeline:
             out[stage] = peak
         return out
 
-    def stage_costs(self, statistic: str = "median") -> Dict[str, List[float]]:
+    def stage_costs(self, statistic="median") -> Dict[str, List[float]]:
         """Per-stage forward/backward/step times, for :func:`ipukit.simulate`.
+
+        ``statistic``: a name in :mod:`statistics` (``"median"``, ``"mean"``) or a function
+        of a list of durations.
 
         A split backward (``input-grad`` then ``weight-grad``) counts as one
         backward of their summed cost, and its halves are reported too.
         """
         import statistics
 
-        agg = getattr(statistics, statistic)
+        agg = statistic if callable(statistic) else getattr(statistics, statistic)
         stages = sorted({e.stage for e in self.device_events() if e.stage >= 0})
         out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
         split = any(e.kind == "input-grad" for e in self.events)
@@ -356,6 +428,22 @@ class Timeline:
             out["backward"] = [b if b else i + w for b, i, w in
                                zip(out["backward"], out["input-grad"], out["weight-grad"])]
         return out
+
+
+def _join_memory(before: List[MemoryTrack], after: List[MemoryTrack]) -> List[MemoryTrack]:
+    """Consecutive calls' memory tracks, one per (replica, ipu): samples joined, peak the largest."""
+    out = {(m.replica, m.ipu): m for m in before}
+    for m in after:
+        prev = out.get((m.replica, m.ipu))
+        if prev is None:
+            out[(m.replica, m.ipu)] = m
+            continue
+        top = prev if prev.peak >= m.peak else m
+        peaks = [p for p in (prev.allocator_peak, m.allocator_peak) if p is not None]
+        out[(m.replica, m.ipu)] = MemoryTrack(
+            m.ipu, m.replica, prev.samples + m.samples, prev.baseline, top.peak, top.peak_time,
+            m.end, dict(prev.parts), max(peaks) if peaks else None)
+    return [out[k] for k in sorted(out)]
 
 
 def _plain(value):

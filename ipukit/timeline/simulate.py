@@ -8,11 +8,13 @@ lists, or come straight from a measured timeline (:func:`costs_from`).
 from __future__ import annotations
 
 import gc
+import heapq
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..schedules.build import build
-from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule, walk
+from ..schedules.ir import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule,
+                            ScheduleError, walk)
 from .events import COMPUTE_KINDS, Event, KIND_NAMES, Timeline
 
 Cost = Union[float, Sequence[float]]
@@ -64,7 +66,8 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
              stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
              schedule: Optional[Schedule] = None, weight_share: float = 0.5,
              input_grad_cost: Optional[Cost] = None,
-             weight_grad_cost: Optional[Cost] = None) -> Timeline:
+             weight_grad_cost: Optional[Cost] = None,
+             exposed_transfers: bool = False) -> Timeline:
     """Model one host call of a pipeline and return its (modeled) timeline.
 
     ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"sharded"`` (training) or
@@ -80,6 +83,11 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
     says otherwise; a split backward costs ``(1 − weight_share) × backward`` for
     its input-gradient half and ``weight_share × backward`` for its weight half
     (or ``input_grad_cost`` / ``weight_grad_cost`` when given, e.g. measured).
+
+    ``exposed_transfers``: a send to another IPU also occupies the sender for
+    ``transfer_cost`` (communication not overlapped with compute), except DualPipeV's
+    paired forward and backward, whose sends overlap the partner's compute
+    (:func:`play_shared`); by default a transfer is latency only (the receiver waits).
 
     For equal stage costs and no overheads, GPipe's utilisation is exactly
     M / (M + N − 1).
@@ -97,8 +105,14 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
         i_cost = None if input_grad_cost is None else per_stage(input_grad_cost, N, "input_grad_cost")
         w_cost = None if weight_grad_cost is None else per_stage(weight_grad_cost, N,
                                                                   "weight_grad_cost")
-        times = play(schedule.lanes, N, split_costs(fwd, bwd, stp, weight_share, i_cost, w_cost),
-                     {FORWARD: t_fwd, BACKWARD: t_bwd}, start_time=host_overhead)
+        costs = split_costs(fwd, bwd, stp, weight_share, i_cost, w_cost)
+        if exposed_transfers and transfer_cost:
+            hidden = paired_actions(schedule.lanes) if schedule.kind == "dualpipev" else None
+            times = play_shared(schedule.lanes, N, costs, {FORWARD: t_fwd, BACKWARD: t_bwd},
+                                start_time=host_overhead, exposed=True, hidden=hidden)[0]
+        else:
+            times = play(schedule.lanes, N, costs, {FORWARD: t_fwd, BACKWARD: t_bwd},
+                         start_time=host_overhead)
         events = []
         if host_overhead > 0:
             events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
@@ -112,7 +126,8 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
             "micro_batches": micro_batches,
             "iterations": iterations, "replicas": replicas,
             "forward_cost": fwd, "backward_cost": bwd, "step_cost": stp,
-            "transfer_cost": transfer_cost, "host_overhead": host_overhead}
+            "transfer_cost": transfer_cost, "host_overhead": host_overhead,
+            "exposed_transfers": bool(exposed_transfers)}
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)
@@ -245,6 +260,182 @@ def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)
+
+
+# -- cores shared by workers, and sends a worker waits on -------------------------------------
+
+def rate_of(parallelism: Optional[Sequence[float]], k: int) -> float:
+    """Work per second of *each* of ``k`` passes running at once.
+
+    ``parallelism[k - 1]`` is the measured work rate of k concurrent passes (k passes alone
+    would be k; fewer cores, the interpreter lock and the scheduler make it less); beyond
+    the measured list the last value holds. ``None``: every pass its own core.
+    """
+    if not parallelism or k <= 1:
+        return 1.0
+    total = parallelism[k - 1] if k <= len(parallelism) else parallelism[-1]
+    return max(1e-9, min(float(k), float(total))) / k
+
+
+def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
+                transfers: Optional[Dict[str, Sequence[float]]] = None, start_time: float = 0.0,
+                parallelism: Optional[Sequence[float]] = None, replicas: int = 1,
+                exposed: bool = False, hidden: Optional[set] = None
+                ) -> List[List[List[Tuple[float, float]]]]:
+    """(start, end) of every action, ``times[replica][lane]``, with cores shared fairly.
+
+    The dependency rules are :func:`ipukit.schedule.walk`'s. Unlike its ``cores=`` mode
+    (a pass waits for a free core, then runs at full speed), passes here share the CPU:
+    while k forwards/backwards run, each advances at ``rate_of(parallelism, k)`` — the
+    calibrated rate of k concurrent passes (:func:`ipukit.calibrate`), which holds what
+    a core count alone leaves out: the interpreter lock a pass holds for its bookkeeping,
+    and the slowdown of more workers than cores. Optimiser steps are the host's and run
+    at full speed. ``parallelism=None`` gives every worker its own core (then the result
+    equals :func:`play`'s).
+
+    ``transfers[kind][stage]`` is the cost of an activation (``"F"``, paid by the stage
+    receiving it) or a gradient (``"B"``) crossing to another IPU. By default it is
+    latency only: the receiver waits, the sender does not. With ``exposed`` the sender's
+    worker is busy sending (its span grows by the transfer) — unless the action's
+    ``(lane, index)`` is in ``hidden``, a send overlapped with a paired action's compute
+    (DualPipeV's paired forward and backward), which is latency only again.
+    """
+    N, last = num_stages, num_stages - 1
+    t_fwd, t_bwd = ((transfers or {}).get(k) or [0.0] * N for k in (FORWARD, BACKWARD))
+    cost = {k: costs.get(k) or [0.0] * N for k in (FORWARD, BACKWARD, STEP)}
+    for k in (INPUT_GRAD, WEIGHT_GRAD):    # a split half defaults to half a backward
+        cost[k] = costs.get(k) or [b / 2 for b in cost[BACKWARD]]
+    hidden = hidden or set()
+
+    def send(kind: str, s: int) -> float:
+        if kind == FORWARD:
+            return t_fwd[s + 1] if s < last else 0.0
+        if kind in (BACKWARD, INPUT_GRAD):
+            return t_bwd[s - 1] if s > 0 else 0.0
+        return 0.0
+
+    workers = [(r, li) for r in range(replicas) for li in range(len(lanes))]
+    remaining: Dict[int, int] = {}
+    for lane in lanes:
+        for a in lane:
+            if a[0] != STEP:
+                remaining[a[3]] = remaining.get(a[3], 0) + replicas
+    flush_end: Dict[int, float] = {}
+    flushed: Dict[int, float] = {}
+    own: Dict[tuple, float] = {}      # ("F" | "I", replica, stage, iteration, micro-batch): end
+    avail: Dict[tuple, float] = {}    # ("F" | "G", ...): when the next stage may use it
+    times = [[[] for _ in lanes] for _ in range(replicas)]
+    pos = [0] * len(workers)
+    free = [start_time] * len(workers)
+    waiting = set(w for w, (_, li) in enumerate(workers) if lanes[li])
+    ready: list = []                  # (start time, worker)
+    running: Dict[int, list] = {}     # worker -> [work left, start]  (passes sharing cores)
+    fixed: Dict[int, Tuple[float, float]] = {}   # worker -> (start, end)  (steps; own cores)
+    shared = parallelism is not None
+
+    def dependency(w: int) -> Optional[float]:
+        r, li = workers[w]
+        kind, s, m, it = lanes[li][pos[w]]
+        if kind == STEP:
+            dep = flushed.get(it)
+        elif kind == FORWARD:
+            dep = free[w] if s == 0 else avail.get(("F", r, s - 1, it, m))
+        elif kind == WEIGHT_GRAD:
+            dep = own.get(("I", r, s, it, m))
+        else:
+            mine = own.get(("F", r, s, it, m))
+            if mine is None or s == last:
+                dep = mine
+            else:
+                g = avail.get(("G", r, s + 1, it, m))
+                dep = None if g is None else max(g, mine)
+        if dep is None:
+            return None
+        return dep if dep > free[w] else free[w]
+
+    def finish(w: int, start: float, end: float) -> None:
+        r, li = workers[w]
+        kind, s, m, it = lanes[li][pos[w]]
+        times[r][li].append((start, end))
+        if kind != STEP:
+            out = send(kind, s)
+            there = end if exposed and (li, pos[w]) not in hidden else end + out
+            if kind == FORWARD:
+                own[("F", r, s, it, m)] = end
+                avail[("F", r, s, it, m)] = there
+            elif kind != WEIGHT_GRAD:
+                avail[("G", r, s, it, m)] = there
+                if kind == INPUT_GRAD:
+                    own[("I", r, s, it, m)] = end
+            flush_end[it] = max(flush_end.get(it, start_time), end)
+            remaining[it] -= 1
+            if remaining[it] == 0:
+                flushed[it] = flush_end[it]
+        pos[w] += 1
+        free[w] = end
+        if pos[w] < len(lanes[li]):
+            waiting.add(w)
+
+    now = start_time
+    inf = float("inf")
+    while True:
+        for w in list(waiting):
+            t = dependency(w)
+            if t is not None:
+                waiting.discard(w)
+                heapq.heappush(ready, (t, w))
+        k = len(running)
+        rate = rate_of(parallelism, k) if k else 0.0
+        t_done = now + min(v[0] for v in running.values()) / rate if running else inf
+        t_fixed = min((e for _, e in fixed.values()), default=inf)
+        t_ready = ready[0][0] if ready else inf
+        nxt = min(t_done, t_fixed, t_ready)
+        if nxt == inf:
+            break
+        if running and nxt > now:
+            for v in running.values():
+                v[0] -= (nxt - now) * rate
+        now = max(now, nxt)
+        if running and nxt == t_done:
+            for w in [w for w, v in running.items() if v[0] <= 1e-12 * (1 + abs(now))]:
+                start = running.pop(w)[1]
+                finish(w, start, now)
+        for w in [w for w, (_, e) in fixed.items() if e <= now]:
+            start, end = fixed.pop(w)
+            finish(w, start, end)
+        while ready and ready[0][0] <= now:
+            t, w = heapq.heappop(ready)
+            r, li = workers[w]
+            kind, s, m, it = lanes[li][pos[w]]
+            work = cost[kind][s]
+            if exposed and kind != STEP and (li, pos[w]) not in hidden:
+                work += send(kind, s)
+            if shared and kind != STEP:
+                running[w] = [work, t]
+            else:
+                fixed[w] = (t, t + work)
+    stuck = [str(lanes[li][pos[w]]) for w, (_, li) in enumerate(workers)
+             if pos[w] < len(lanes[li])]
+    if stuck:
+        raise ScheduleError(f"schedule deadlocks: lanes wait at {stuck}")
+    return times
+
+
+def paired_actions(lanes: List[List[Action]]) -> set:
+    """DualPipeV's overlapped pairs: a forward next to a full backward of the lane's other
+    stage (ipukit writes torch's ``OVERLAP_F_B`` as the forward, then the backward).
+    Returns the ``(lane, index)`` of both actions of every pair."""
+    out = set()
+    for li, lane in enumerate(lanes):
+        i = 0
+        while i + 1 < len(lane):
+            a, b = lane[i], lane[i + 1]
+            if a[0] == FORWARD and b[0] == BACKWARD and a[1] != b[1]:
+                out.update({(li, i), (li, i + 1)})
+                i += 2
+            else:
+                i += 1
+    return out
 
 
 # -- costs a contended run's passes would have had alone ----------------------------------------

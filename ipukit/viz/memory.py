@@ -8,6 +8,14 @@ compiled model's own tensors, measures one micro-batch's activations per
 stage, and multiplies them by the micro-batches each schedule keeps in flight
 (:func:`activation_stash`): GPipe stashes the whole accumulation window,
 1F1B at most N − s on stage s, sharded execution one, inference none.
+
+:func:`measured_memory` puts a call's *measured* peak per virtual IPU
+(``Timeline.memory``, recorded under ``ipukit.runtime.memory_track.track_memory()``)
+beside that model, with a per-IPU refinement of it (:func:`ipu_stash_peak`,
+:func:`recompute_bytes`) and a calibrated one (:func:`ipu_pass_peak`: each pass adds its own
+transient, measured on its stage alone by ``ipukit.runtime.memory_track.calibrate_memory``
+and kept here, :func:`known_transients`); ``benchmarks/memory.md`` says row by row where
+they differ.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.errors import ModelStateError
-from ..schedules.ir import BACKWARD, FORWARD, WEIGHT_GRAD, Schedule
+from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Schedule
 from ..schedules.registry import KINDS
 
 
@@ -293,6 +301,67 @@ def activation_bytes(model) -> List[int]:
     return list(result)
 
 
+def stage_tensor_bytes(model, inputs: Optional[Sequence[torch.Tensor]] = None) -> List[Dict[str, Any]]:
+    """Per stage, what one micro-batch's forward really keeps, measured: bytes by kind.
+
+    Runs one micro-batch (``inputs``: the model's tensor inputs for one micro-batch, in
+    order; default synthetic ones) through the stage modules as the executor does —
+    a stage that recomputes (:func:`ipukit.recomputation_checkpoint`) under
+    ``torch.utils.checkpoint`` — and counts, without duplicates: ``saved_bytes``, what
+    autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``);
+    ``input_bytes`` / ``output_bytes``, the stage's inputs and outputs the executor
+    stashes; ``held_bytes``, all of them together; ``sent_bytes``, the activations sent
+    to stages on other virtual IPUs (the hand-off; its gradient comes back at the same
+    size). Parameters and buffers are not counted. Weights, buffers and the random state
+    are left as they were.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    from ..core.ops import running_on_ipu
+
+    plan = model.program
+    stages = plan.partition.stages
+    outputs: Dict[int, tuple] = {}
+    result = []
+    with unchanged_state(st.module for st in stages), torch.enable_grad(), running_on_ipu():
+        # own copies: a slice of a larger batch would count its whole storage
+        flat = ([t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+                if inputs is not None else _sample_inputs(model))
+        for st in stages:
+            own = {_storage_key(t)[0] for t in list(st.module.parameters())
+                   + list(st.module.buffers())}
+            kept: Dict[str, Dict[Any, int]] = {"saved": {}, "input": {}, "output": {}}
+
+            def note(where, t):
+                if isinstance(t, torch.Tensor):
+                    ptr, nbytes = _storage_key(t)
+                    if ptr not in own:
+                        kept[where][ptr] = max(kept[where].get(ptr, 0), nbytes)
+                return t
+
+            args = _stage_args(plan, st, flat, outputs)
+            for v in args:
+                note("input", v)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: note("saved", t),
+                                                          lambda t: t):
+                out = (checkpoint(st.module, *args, use_reentrant=False)
+                       if st.recompute and plan.training else st.module(*args))
+            outs = outputs[st.index] = out if st.tuple_output else (out,)
+            for v in outs:
+                note("output", v)
+            sent = sum(_storage_key(outs[item])[1] for consumer, _, item in plan.consumers[st.index]
+                       if isinstance(outs[item], torch.Tensor)
+                       and stages[consumer].ipu != st.ipu)
+            union = {**kept["saved"], **kept["input"], **kept["output"]}
+            result.append({"stage": st.index, "ipu": st.ipu, "blocks": list(st.blocks),
+                           "recompute": bool(st.recompute),
+                           "saved_bytes": sum(kept["saved"].values()),
+                           "input_bytes": sum(kept["input"].values()),
+                           "output_bytes": sum(kept["output"].values()),
+                           "held_bytes": sum(union.values()), "sent_bytes": sent})
+    return result
+
+
 # -- the report ----------------------------------------------------------------------------
 
 def memory_report(model, schedule_kind: Optional[str] = None,
@@ -360,3 +429,251 @@ def memory_report(model, schedule_kind: Optional[str] = None,
                         optimizer=type(optimizer).__name__ if optimizer is not None else None,
                         optimizer_on_chip=on_chip, replicas=options.replication_factor,
                         notes=notes)
+
+
+# -- measured beside modeled ---------------------------------------------------------------
+
+@dataclass
+class MeasuredMemory:
+    """A call's measured peak per virtual IPU beside the modeled report (replica 0).
+
+    Per IPU (``rows``): ``measured_peak_bytes`` (the most bytes alive at once during
+    the call, :class:`~ipukit.timeline.events.MemoryTrack`), ``measured_baseline_bytes``
+    (alive at its start: parameters, buffers, optimiser state), ``measured_end_bytes``,
+    ``measured_above_baseline_bytes`` (peak − baseline: what the call's work added),
+    ``measured_held_bytes`` (the most alive as a pass starts, the previous one's temporaries
+    freed: what the IPU holds between passes — stashes, accumulators, hand-offs),
+    ``modeled_bytes`` (:func:`memory_report`'s ``total_on_chip_bytes``, summed over the
+    IPU's stages), ``modeled_static_bytes`` (its parameters, gradient accumulators and
+    on-chip optimiser state), ``modeled_stash_bytes`` (its activation stash),
+    ``modeled_ipu_bytes`` (static plus :func:`ipu_stash_peak`: the stashes of an IPU's
+    stages at the same time, not each at its own peak, with recomputation counted by
+    :func:`recompute_bytes`: a recomputing stage stashes its inputs and outputs and rebuilds
+    one micro-batch's activations during a backward — kept from ``I`` to ``W`` when the
+    backward is split), ``modeled_held_bytes`` (the same but a ``B``'s rebuilt activations:
+    what it models between passes), ``modeled_calibrated_bytes`` (static plus
+    :func:`ipu_pass_peak`: the same stashes walked along the IPU's lane, each pass adding its
+    own transient as measured on its stage alone, once per compiled model after its first
+    tracked call: :func:`ipukit.runtime.memory_track.calibrate_memory`; None until then),
+    ``modeled_calibrated_held_bytes`` (the same between passes: stashes and what a split
+    backward keeps from ``I`` to ``W``), ``modeled_transient_bytes`` (what the transients add
+    to the stash walk), ``ratio`` (measured ÷ modeled) and ``allocator_peak_bytes`` (GPU only).
+    """
+
+    rows: List[Dict[str, Any]]
+    schedule_kind: str
+    micro_batches: int
+    modeled: Optional[MemoryReport] = None
+    notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"rows": [dict(r) for r in self.rows], "schedule_kind": self.schedule_kind,
+                "micro_batches": self.micro_batches, "notes": list(self.notes)}
+
+    def ratios(self) -> Dict[int, float]:
+        """Measured ÷ modeled peak per virtual IPU."""
+        return {r["ipu"]: r["ratio"] for r in self.rows}
+
+    def __repr__(self) -> str:
+        cells = ", ".join(f"IPU {r['ipu']}: {r['measured_peak_bytes'] / 2 ** 20:.3f} measured / "
+                          f"{r['modeled_bytes'] / 2 ** 20:.3f} modeled MiB ({r['ratio']:.2f})"
+                          for r in self.rows)
+        return f"MeasuredMemory({self.schedule_kind}, {self.micro_batches} micro-batches: {cells})"
+
+
+def ipu_stash_peak(schedule: Schedule, per_micro_batch: Sequence[int],
+                   rebuilt: Optional[Sequence[int]] = None) -> Dict[int, int]:
+    """Peak activation bytes per virtual IPU, its stages' stashes added up *at the same time*.
+
+    :func:`stash_of` gives each stage's own peak; an IPU holding two stages (a loop, a V)
+    rarely holds both peaks at once, so this walks each IPU's lane in order instead. A
+    forward adds ``per_micro_batch[s]``; a backward (``B``) frees it; a split backward's
+    ``I`` adds ``rebuilt[s]`` (a recomputing stage rebuilds its graph there and keeps it for
+    ``W``), and ``W`` frees both.
+    """
+    rebuilt = list(rebuilt) if rebuilt is not None else [0] * schedule.num_stages
+    peaks: Dict[int, int] = {}
+    if not schedule.training:
+        return {ipu: 0 for ipu in set(schedule.stage_ipus)}
+    for lane in schedule.lanes:
+        level = top = 0
+        for a in lane:
+            if a.kind == FORWARD:
+                level += per_micro_batch[a.stage]
+            elif a.kind == INPUT_GRAD:
+                level += rebuilt[a.stage]
+            elif a.kind == BACKWARD:
+                level -= per_micro_batch[a.stage]
+            elif a.kind == WEIGHT_GRAD:
+                level -= per_micro_batch[a.stage] + rebuilt[a.stage]
+            top = max(top, level)
+        for ipu in {schedule.stage_ipus[a.stage] for a in lane}:
+            peaks[ipu] = max(peaks.get(ipu, 0), top)
+    return peaks
+
+
+def recompute_bytes(model) -> List[Tuple[int, int]]:
+    """Per stage of a training model: (bytes one micro-batch keeps until its backward, bytes
+    its backward rebuilds on top), recomputation counted.
+
+    A stage that recomputes (:func:`ipukit.recomputation_checkpoint`) keeps only its inputs
+    and outputs, then rebuilds its saved tensors while that micro-batch's backward runs:
+    (inputs + outputs, :func:`activation_bytes` − that). Other stages: (:func:`activation_bytes`, 0).
+    """
+    full = activation_bytes(model)
+    plan = model.program
+    if not plan.training or not any(st.recompute for st in plan.partition.stages):
+        return [(b, 0) for b in full]
+    kept = stage_tensor_bytes(model)   # a recomputing stage runs under checkpoint there
+    return [(st["held_bytes"], max(0, full[st["stage"]] - st["held_bytes"])) if st["recompute"]
+            else (full[st["stage"]], 0) for st in kept]
+
+
+# -- each pass's transients, measured on its stage alone -----------------------------------
+
+_TRANSIENTS: Dict[int, Tuple[Any, List[Dict[str, int]]]] = {}
+
+
+def remember_transients(plan, transients: Sequence[Dict[str, int]]) -> None:
+    """Keep a compiled model's measured pass transients (one dict per stage, see
+    :func:`ipukit.runtime.memory_track.stage_transients`) for :func:`measured_memory`."""
+    _TRANSIENTS[id(plan)] = (weakref.ref(plan), [dict(t) for t in transients])
+    weakref.finalize(plan, _TRANSIENTS.pop, id(plan), None)
+
+
+def known_transients(model) -> Optional[List[Dict[str, int]]]:
+    """The pass transients measured for a compiled model (or its ``Program``), or None."""
+    plan = getattr(model, "program", model)
+    found = _TRANSIENTS.get(id(plan))
+    return [dict(t) for t in found[1]] if found is not None and found[0]() is plan else None
+
+
+def ipu_pass_peak(schedule: Schedule, per_micro_batch: Sequence[int],
+                  transients: Sequence[Dict[str, int]],
+                  accumulators: Optional[Sequence[int]] = None) -> Dict[int, Tuple[int, int]]:
+    """Per virtual IPU: (peak bytes above the static ones during a pass, peak between passes).
+
+    Walks each IPU's lane as :func:`ipu_stash_peak` does; during each pass the level is what
+    its IPU holds before it plus that pass's own transient, measured on its stage alone
+    (``transients[s]``: ``forward`` on top of the new stash, ``backward``, ``input_grad``
+    and ``weight_grad`` on top of what the pass starts with; a split backward's ``between``
+    is kept from ``I`` to ``W``; the input gradients a backward sends, ``sent``, are counted
+    until the IPU's next backward: the receiver's backward drops them by then). A
+    recomputing stage's ``backward`` includes its rebuilt activations (it was measured doing
+    so), so no separate rebuilt term is added. ``accumulators[s]``: the bytes of stage ``s``'s
+    gradient accumulators, counted in the static bytes but made by its first backward (or
+    ``W``) of the call, whose fresh gradients become them: until then the walk subtracts them.
+    """
+    out: Dict[int, Tuple[int, int]] = {}
+    if not schedule.training:
+        return {ipu: (0, 0) for ipu in set(schedule.stage_ipus)}
+    accumulators = list(accumulators) if accumulators is not None else [0] * len(transients)
+    for lane in schedule.lanes:
+        # the lane's stages have no accumulators until their first backward makes them
+        level = -sum(accumulators[s] for s in {a.stage for a in lane})
+        top = held = sent = 0
+        made = set()
+        for a in lane:
+            s, t = a.stage, transients[a.stage]
+            held = max(held, level + sent)
+            if a.kind == FORWARD:
+                level += per_micro_batch[s]
+                top = max(top, level + sent + t.get("forward", 0))
+            elif a.kind == BACKWARD:
+                top = max(top, level + sent + t.get("backward", 0))
+                level -= per_micro_batch[s]
+            elif a.kind == INPUT_GRAD:
+                top = max(top, level + sent + t.get("input_grad", 0))
+                level += t.get("between", 0)
+            elif a.kind == WEIGHT_GRAD:
+                top = max(top, level + sent + t.get("weight_grad", 0))
+                level -= per_micro_batch[s] + t.get("between", 0)
+            # a backward's input gradients count here until the receiver's backward drops
+            # them: assumed before this IPU's next backward sends the next ones
+            if a.kind in (BACKWARD, INPUT_GRAD):
+                sent = t.get("sent", 0)
+            if a.kind in (BACKWARD, WEIGHT_GRAD) and s not in made:   # its fresh gradients stay
+                made.add(s)
+                level += accumulators[s]
+        for ipu in {schedule.stage_ipus[a.stage] for a in lane}:
+            old = out.get(ipu, (0, 0))
+            out[ipu] = (max(old[0], top), max(old[1], held))
+    return out
+
+
+def _level_at(samples, t: float) -> int:
+    """Bytes alive at time ``t`` (the last sample at or before it)."""
+    import bisect
+
+    i = bisect.bisect_right(samples, (t, float("inf")))
+    return samples[i - 1][1] if i else (samples[0][1] if samples else 0)
+
+
+def measured_memory(model, timeline=None) -> MeasuredMemory:
+    """The measured peak per virtual IPU of a call (``timeline``, default the model's last)
+    beside :func:`memory_report`'s modeled bytes for the same schedule.
+
+    The call must have tracked its memory: run it inside
+    ``ipukit.runtime.memory_track.track_memory()`` (or with ``IPUKIT_TRACK_MEMORY=1``).
+    """
+    timeline = model.getTimeline() if timeline is None else timeline
+    tracks = [m for m in getattr(timeline, "memory", []) if m.replica == 0]
+    if not tracks:
+        raise ModelStateError("this call's timeline has no measured memory: run the call inside "
+                              "ipukit.runtime.memory_track.track_memory() (or with "
+                              "IPUKIT_TRACK_MEMORY=1), then ask again.")
+    report = memory_report(model)
+    modeled = report.per_ipu()
+    static = {}
+    for st in report.stages:
+        static[st["ipu"]] = static.get(st["ipu"], 0) + (
+            st["parameter_bytes"] + st["gradient_accumulator_bytes"]
+            + st["optimizer_state_on_chip_bytes"])
+    stash = report.per_ipu("activation_stash_bytes")
+    plan = model.program
+    same = (report.schedule_kind == plan.schedule.kind
+            and report.micro_batches == plan.schedule.micro_batches)
+    kept = recompute_bytes(model)
+    together = (ipu_stash_peak(plan.schedule, [k for k, _ in kept], [r for _, r in kept])
+                if same else dict(stash))
+    rebuilt: Dict[int, int] = {}
+    if not plan.schedule.split_backward:   # (split: I's rebuilt graph is in the walk above)
+        for st in report.stages:   # one micro-batch's recomputed activations, during its B
+            rebuilt[st["ipu"]] = max(rebuilt.get(st["ipu"], 0), kept[st["stage"]][1])
+    transients = known_transients(plan) if same else None
+    passes = (ipu_pass_peak(plan.schedule, [k for k, _ in kept], transients,
+                            [st["gradient_accumulator_bytes"] for st in report.stages])
+              if transients is not None else {})
+    everything = sum(modeled.values())
+    rows = []
+    for m in sorted(tracks, key=lambda m: m.ipu):
+        model_bytes = modeled.get(m.ipu, everything if m.ipu < 0 else 0)
+        starts = [e.start for e in timeline.device_events()
+                  if e.replica == 0 and (e.ipu == m.ipu or m.ipu < 0) and e.kind != "step"]
+        rows.append({
+            "ipu": m.ipu, "measured_peak_bytes": m.peak, "measured_baseline_bytes": m.baseline,
+            "measured_end_bytes": m.end, "measured_above_baseline_bytes": m.peak - m.baseline,
+            "measured_held_bytes": max((_level_at(m.samples, t) for t in starts), default=m.peak),
+            "measured_parts": dict(m.parts),
+            "modeled_bytes": model_bytes,
+            "modeled_static_bytes": static.get(m.ipu, sum(static.values()) if m.ipu < 0 else 0),
+            "modeled_stash_bytes": stash.get(m.ipu, sum(stash.values()) if m.ipu < 0 else 0),
+            "modeled_ipu_bytes": (static.get(m.ipu, 0) + together.get(m.ipu, 0)
+                                  + rebuilt.get(m.ipu, 0)) if m.ipu >= 0 else model_bytes,
+            "modeled_held_bytes": (static.get(m.ipu, 0) + together.get(m.ipu, 0)) if m.ipu >= 0
+            else model_bytes,
+            "modeled_calibrated_bytes": (static.get(m.ipu, 0) + passes[m.ipu][0]
+                                         if m.ipu in passes else None),
+            "modeled_calibrated_held_bytes": (static.get(m.ipu, 0) + passes[m.ipu][1]
+                                              if m.ipu in passes else None),
+            "modeled_transient_bytes": (passes[m.ipu][0] - together.get(m.ipu, 0)
+                                        if m.ipu in passes else None),
+            "ratio": m.peak / model_bytes if model_bytes else float("inf"),
+            "allocator_peak_bytes": m.allocator_peak})
+    notes = list(report.notes)
+    if any(getattr(st, "recompute", False) for st in model.program.partition.stages):
+        notes.append("recomputed stages: memory_report's stash counts every saved tensor of a "
+                     "micro-batch, the measured one only what recomputation keeps (plus one "
+                     "micro-batch's activations while its backward recomputes them); "
+                     "modeled_ipu_bytes counts recomputation")
+    return MeasuredMemory(rows, report.schedule_kind, report.micro_batches, report, notes)

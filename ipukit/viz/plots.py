@@ -141,7 +141,8 @@ def _describe(timeline: Timeline) -> str:
     if timeline.events:
         parts.append(f"{timeline.time_per_call() * 1e3:.2f} ms per call")
         if timeline.iterations > 1:
-            parts.append(f"{timeline.time_per_step() * 1e3:.2f} ms per step")
+            per = "step" if timeline.meta.get("training", True) else "device iteration"
+            parts.append(f"{timeline.time_per_step() * 1e3:.2f} ms per {per}")
         if timeline.meta.get("samples"):
             parts.append(f"{timeline.throughput():,.0f} samples/s")
         parts.append(f"utilisation {timeline.utilisation()['overall']:.0%}")
@@ -195,10 +196,16 @@ def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
             fig.add_trace(trace, row=i, col=1)
         _gantt_axes(fig, rows[i - 1], row=i)
     fig.update_xaxes(title_text="", row=1, col=1)
+    notes = list(modeled.meta.get("notes") or ())
+    if notes:   # what the model leaves out for this call (e.g. interpreter-lock contention)
+        fig.add_annotation(text="Model: " + "<br>".join(notes), xref="paper", yref="paper",
+                           x=0.0, y=-0.06, xanchor="left", yanchor="top", showarrow=False,
+                           align="left", font=dict(size=10, color="#555"))
     fig.update_layout(title=dict(text="Measured vs modeled"), barmode="overlay", bargap=0.25,
                       font=_FONT, template="plotly_white",
-                      height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1]))),
-                      margin=dict(l=10, r=10, t=80, b=40),
+                      height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1])))
+                      + 30 * len(notes),
+                      margin=dict(l=10, r=10, t=80, b=40 + 30 * len(notes)),
                       uniformtext=dict(minsize=8, mode="hide"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0))
     return fig
@@ -234,7 +241,8 @@ def utilisation_figure(timeline_or_utilisation_dict: Union[Timeline, Mapping[str
     if isinstance(source, Timeline):
         label = f" — {source.label}"
         if source.events:
-            speed = f"{source.time_per_step() * 1e3:.2f} ms per step · "
+            per = "step" if source.meta.get("training", True) else "device iteration"
+            speed = f"{source.time_per_step() * 1e3:.2f} ms per {per} · "
             if source.meta.get("samples"):
                 speed += f"{source.throughput():,.0f} samples/s · "
     heading = (title or "Utilisation per virtual IPU") + label
@@ -293,10 +301,52 @@ def memory_figure(report) -> go.Figure:
            f"{stash} micro-batches held per stage")
     fig.update_layout(barmode="stack", font=_FONT, template="plotly_white", height=360,
                       title=dict(text=f"Memory per stage<br><sup>{sub}</sup>"),
-                      margin=dict(l=10, r=10, t=70, b=40),
-                      legend=dict(orientation="h", yanchor="top", y=-0.15))
+                      margin=dict(l=10, r=10, t=70, b=80),   # the legend below the ticks
+                      legend=dict(orientation="h", yref="container", yanchor="bottom", y=0))
     fig.update_yaxes(title_text=unit, rangemode="tozero")
     fig.update_xaxes(type="category")
+    return fig
+
+
+def memory_timeline_figure(timeline: Timeline, title: Optional[str] = None) -> go.Figure:
+    """The schedule (a Gantt chart) with each virtual IPU's measured memory drawn under it.
+
+    Needs a timeline whose call tracked its memory (``Timeline.memory``): bytes alive
+    per IPU over the call, one line each, the peak marked; without it, the schedule alone.
+    """
+    rows = track_order(timeline)
+    tracks = [m for m in timeline.memory if m.samples]
+    if not tracks:
+        return timeline_figure(timeline, title=title)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        row_heights=[max(1, len(rows)), 2],
+                        subplot_titles=("schedule", "memory alive per virtual IPU (measured)"))
+    for trace in _timeline_traces(timeline):
+        fig.add_trace(trace, row=1, col=1)
+    _gantt_axes(fig, rows, row=1)
+    unit, size = _unit(max(m.peak for m in tracks))
+    t0 = timeline.start   # the Gantt chart's time origin
+    palette = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+    for i, m in enumerate(tracks):
+        colour = palette[i % len(palette)]
+        fig.add_trace(go.Scatter(
+            x=[(t - t0) * 1e3 for t, _ in m.samples], y=[b / size for _, b in m.samples],
+            mode="lines", line=dict(shape="hv", color=colour, width=1.5), name=f"{m.name} memory",
+            hovertemplate=f"{m.name}<br>%{{x:.3f}} ms<br>%{{y:.3f}} {unit}<extra></extra>"),
+            row=2, col=1)
+        fig.add_trace(go.Scatter(
+            x=[(m.peak_time - t0) * 1e3], y=[m.peak / size], mode="markers", showlegend=False,
+            marker=dict(color=colour, size=7, symbol="triangle-down"),
+            hovertemplate=f"{m.name} peak: %{{y:.3f}} {unit}<extra></extra>"), row=2, col=1)
+    fig.update_yaxes(title_text=unit, rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="", row=1, col=1)
+    fig.update_xaxes(title_text="time (ms)", row=2, col=1)
+    fig.update_layout(title=dict(text=f"{title or 'Pipeline timeline and memory'} — "
+                                 f"{timeline.label}"),
+                      barmode="overlay", bargap=0.25, font=_FONT, template="plotly_white",
+                      height=max(380, 260 + 46 * len(rows)), margin=dict(l=10, r=10, t=80, b=40),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0),
+                      uniformtext=dict(minsize=8, mode="hide"))
     return fig
 
 
@@ -362,8 +412,8 @@ def breakdown_figure(runs: Mapping[str, Timeline], title: Optional[str] = None) 
                               if key == "bubble" else "") + "<extra></extra>")))
     fig.update_layout(barmode="stack", font=_FONT, template="plotly_white",
                       title=dict(text=title or "Where the virtual IPUs' time goes"),
-                      height=max(220, 110 + 60 * len(names)), margin=dict(l=10, r=10, t=60, b=40),
-                      legend=dict(orientation="h", yanchor="top", y=-0.2))
+                      height=max(260, 150 + 60 * len(names)), margin=dict(l=10, r=10, t=90, b=40),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0))
     fig.update_xaxes(title_text="% of wall time × virtual IPUs", range=[0, 100.5], ticksuffix="%")
     fig.update_yaxes(type="category", autorange="reversed")
     return fig
@@ -453,9 +503,9 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
                         f"shaded cells are idle; "
                         f"'holds k': activations of k micro-batches stashed at most</sup>"),
         barmode="overlay", bargap=0.2, font=_FONT, template="plotly_white",
-        height=max(260, 120 + 44 * num_stages), margin=dict(l=10, r=10, t=90, b=40),
-        uniformtext=dict(minsize=8, mode="hide"),
-        legend=dict(orientation="h", yanchor="top", y=-0.25))
+        height=max(300, 160 + 44 * num_stages), margin=dict(l=10, r=10, t=90, b=80),
+        uniformtext=dict(minsize=8, mode="hide"),   # the legend below the ticks and axis title
+        legend=dict(orientation="h", yref="container", yanchor="bottom", y=0))
     return fig
 
 
@@ -479,17 +529,24 @@ def schedule_comparison_figure(rows: Sequence[Mapping[str, Any]], selected: Opti
     one stage's activations of one micro-batch), e.g. from
     :func:`ipukit.widgets.comparison.schedule_rows`. A schedule that cannot run
     has no bar (its hover text says why); ``selected`` is drawn darker. Three
-    bar traces, one per panel, named by the panel titles.
+    bar traces, one per panel, named by the panel titles. When the bars run on
+    different numbers of IPUs, the title says so and each bar's hover gives its
+    IPU-time per step (time × IPUs), the fair measure of cost.
     """
     names = [f"{r['schedule']}<br>{r['ipus']} IPUs" if r.get("available", True)
              else f"{r['schedule']}<br>—" for r in rows]
     fig = make_subplots(rows=1, cols=len(SCHEDULE_PANELS), horizontal_spacing=0.07,
                         subplot_titles=[p[1] for p in SCHEDULE_PANELS])
     colours = [SELECTED_COLOUR if r["schedule"] == selected else OTHER_COLOUR for r in rows]
+    mixed = len({r.get("ipus") for r in rows if r.get("available", True)}) > 1
     for col, (key, label, scale, fmt) in enumerate(SCHEDULE_PANELS, start=1):
         values = [None if not r.get("available", True) or r.get(key) is None
                   else scale * r[key] for r in rows]
         notes = [r.get("reason") or "" for r in rows]
+        if mixed:
+            notes = [n or (f"IPU-time per step: {1e3 * r['time_per_step'] * r['ipus']:.1f} "
+                           f"IPU·ms" if r.get("time_per_step") is not None and r.get("ipus")
+                           else "") for n, r in zip(notes, rows)]
         fig.add_trace(go.Bar(
             x=names, y=values, name=label, marker_color=colours, showlegend=False,
             text=["" if v is None else fmt.format(v) for v in values], textposition="outside",
@@ -500,7 +557,9 @@ def schedule_comparison_figure(rows: Sequence[Mapping[str, Any]], selected: Opti
         fig.update_yaxes(range=[0, 1.18 * top if top > 0 else 1.0], row=1, col=col)
         fig.update_xaxes(type="category", tickfont=dict(size=10), row=1, col=col)
     fig.update_layout(
-        title=dict(text=title or "Every schedule on these stages — modeled"),
+        title=dict(text=(title or "Every schedule on these stages — modeled")
+                   + ("<br><sup>bars on different numbers of IPUs: compare IPU-time per step "
+                      "(hover)</sup>" if mixed else "")),
         font=_FONT, template="plotly_white", height=340, margin=dict(l=10, r=10, t=80, b=60),
         showlegend=False)
     for annotation in fig.layout.annotations:        # the panel titles, a little smaller

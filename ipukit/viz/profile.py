@@ -72,6 +72,9 @@ def _summary(timeline: Timeline) -> Dict[str, Any]:
     rows["idle: imbalance, hand-offs, core waits"] = f"{b['imbalance']:.1%}"
     rows["idle: host"] = f"{b['host']:.1%}"
     rows["idle: optimiser step (host)"] = f"{b['step']:.1%}"
+    if timeline.memory:
+        rows["memory peak per IPU (measured)"] = ", ".join(
+            f"{m.name}: {m.peak / 2 ** 20:.3f} MiB" for m in timeline.memory)
     return rows
 
 
@@ -84,6 +87,18 @@ def _memory(model):
     try:
         return memory_report(model)
     except Exception:  # noqa: BLE001 - a report without memory beats no report
+        return None
+
+
+def _measured(model, timeline: Timeline):
+    """The measured memory beside the modeled one, when the call tracked it (else None)."""
+    if model is None or not timeline.memory or getattr(model, "program", None) is None:
+        return None
+    from .memory import measured_memory
+
+    try:
+        return measured_memory(model, timeline)
+    except Exception:  # noqa: BLE001 - the measured tracks are written either way
         return None
 
 
@@ -101,16 +116,23 @@ def write_profile(timeline: Timeline, directory: str, model=None) -> Dict[str, s
              "html": os.path.join(directory, f"{stem}.html")}
     timeline.to_chrome_trace(paths["trace"])
     report = _memory(model)
-    if report is not None:
+    measured = _measured(model, timeline)
+    if report is not None or timeline.memory:
         paths["memory"] = os.path.join(directory, f"{stem}.memory.json")
+        data = report.to_dict() if report is not None else {}
+        if timeline.memory:   # the call tracked its memory: measured beside modeled
+            data["measured"] = [m.to_dict() for m in timeline.memory]
+            if measured is not None:
+                data["measured_vs_modeled"] = measured.to_dict()["rows"]
         with open(paths["memory"], "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
+            json.dump(data, f, indent=1)
     try:  # the figures need the viz extra; the trace, the numbers and the memory do not
         from . import plots
     except MissingExtraError as exc:
         parts = [f"<p>{html.escape(str(exc))} (the figures are left out).</p>"]
     else:
-        figures = [plots.timeline_figure(timeline, title=f"{stem}"),
+        figures = [plots.memory_timeline_figure(timeline, title=f"{stem}") if timeline.memory
+                   else plots.timeline_figure(timeline, title=f"{stem}"),
                    plots.utilisation_figure(timeline)]
         if report is not None:
             figures.append(plots.memory_figure(report))

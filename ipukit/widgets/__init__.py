@@ -6,10 +6,11 @@ describe), :mod:`~ipukit.widgets.dashboard` (figures, text, buttons),
 :mod:`~ipukit.widgets.modeler` and :mod:`~ipukit.widgets.prober` (the modeled
 call and ipukit's verdict on it), :mod:`~ipukit.widgets.runner` (Run, Stop, New
 model). The pure logic needs no ipywidgets: :mod:`~ipukit.widgets.logic`
-(control values → options, modeled timelines and figure data),
+(control values → options, costs calibrated on this machine, modeled timelines and
+figure data),
 :mod:`~ipukit.widgets.comparison` (every schedule on the same stages),
-:mod:`~ipukit.widgets.models` (the convnet and the ViT placed by
-``layers_per_ipu``) and :mod:`~ipukit.widgets.session` (the training it runs
+:mod:`~ipukit.widgets.models` (the model specs the explorer is given, e.g.
+``ipukit.examples.mnist.explorer_model()``, and placement by ``layers_per_ipu``) and :mod:`~ipukit.widgets.session` (the training it runs
 with ipukit). The explorer needs ipywidgets (``pip install ipukit[notebooks]``).
 """
 from __future__ import annotations

@@ -57,14 +57,7 @@ def for_schedule(config: Config, schedule: str) -> Config:
     Raises a ``ValueError`` (ipukit's :class:`~ipukit.schedule.ScheduleError`) when
     the stages cannot be placed so, e.g. an odd number of them for a V.
     """
-    if config.layered:         # the model's own placement first (an IPU given no layer)
-        fields = asdict(config)
-        for name in ("model", "blocks", "split", "layers_per_ipu", "ipus"):
-            fields.pop(name)
-        fields.update(schedule=schedule, sharded=False)
-        return logic.example_config(config.model, layers_per_ipu=config.layers_per_ipu,
-                                    **fields)
-    return logic.placed(config.with_(schedule=schedule, sharded=False, ipus=()))
+    return logic.placed(config.with_(schedule=schedule, sharded=False, ipus=config.model_ipus))
 
 
 def schedule_row(config: Config, schedule: str, costs: CostTable, samples_per_epoch: int,

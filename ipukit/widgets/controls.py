@@ -9,7 +9,7 @@ changes and knows nothing of figures or training.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 from ..core.errors import needs_extra
 
@@ -18,7 +18,7 @@ with needs_extra("notebooks", "ipukit.widgets"):
 
 from . import logic
 from .logic import Config
-from .models import ExampleModel, parse_layers
+from .models import parse_layers
 
 _STYLE = {"description_width": "150px"}
 
@@ -35,12 +35,12 @@ def _layers_text(layers) -> str:
 class Controls:
     """Every control of the explorer, as attributes named like :class:`Config`'s fields.
 
-    ``models`` maps a name to an :class:`~ipukit.widgets.models.ExampleModel`;
+    ``models`` maps a name to a model spec (see :mod:`ipukit.widgets.models`);
     ``config`` holds the starting values; ``on_change(change)`` is called after
     every change made in the browser or from code (not inside :meth:`suspended`).
     """
 
-    def __init__(self, models: Dict[str, ExampleModel], config: Config,
+    def __init__(self, models: Dict[str, Any], config: Config,
                  on_change: Callable) -> None:
         self.models = models
         self.learning_rate = config.learning_rate
@@ -92,7 +92,7 @@ class Controls:
 
     # -- values ------------------------------------------------------------------------
     @property
-    def current_model(self) -> ExampleModel:
+    def current_model(self):
         return self.models[self.model.value]
 
     @property
@@ -117,7 +117,7 @@ class Controls:
         if not model.layered:
             return logic.placed(Config(split=self.split.value, **values))
         values.pop("blocks"), values.pop("model")
-        return logic.example_config(model.name, layers_per_ipu=parse_layers(
+        return logic.example_config(model, layers_per_ipu=parse_layers(
             self.layers_per_ipu.value, model), **values)
 
     def set(self, **values) -> None:
@@ -152,7 +152,7 @@ class Controls:
             self._on_change(change)
 
     # -- what is shown -----------------------------------------------------------------
-    def show_model(self, model: ExampleModel) -> None:
+    def show_model(self, model) -> None:
         """Show the stage control of ``model``: a split, or ``layers_per_ipu``."""
         if not model.layered:
             self.splits = logic.contiguous_splits(model.blocks)

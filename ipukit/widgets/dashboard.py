@@ -110,8 +110,8 @@ class Dashboard:
         self.summary.value = logic.format_summary(view)
 
     def show_measured(self, timeline, history: List[dict], call: int, modeled=None) -> None:
-        """Draw the latest measured call (over ``modeled``, the same call modeled from its
-        own costs, when given) and the training curves."""
+        """Draw the latest measured call (over ``modeled``, the same call modeled from the
+        modeled view's cost table, when given) and the training curves."""
         drawn, note = logic.clip_for_drawing(timeline)
         title = f"Latest call (call {call})" + (f" ({note})" if note else "")
         if modeled is None:
@@ -119,7 +119,7 @@ class Dashboard:
         else:
             figure = plots.compare_figure(drawn, logic.clip_for_drawing(modeled)[0])
             figure.update_layout(title=dict(
-                text=f"{title}: measured, and modeled from the costs measured in it"))
+                text=f"{title}: measured, and modeled from the calibrated costs"))
         self._draw({
             "measured utilisation": plots.utilisation_figure(
                 timeline, title=f"Utilisation per virtual IPU (call {call})"),
@@ -127,9 +127,12 @@ class Dashboard:
             "measured timeline": figure}, self._measured)
 
     def clear_measured(self) -> None:
-        """Empty training curves, before any run (or after a new model)."""
+        """Empty measured figures and training curves, as before any run (or after a new model)."""
         self._measured = {}
-        self._draw({"training": plots.loss_accuracy_figure([])}, self._measured)
+        empty = {name: go.Figure(layout=dict(template="plotly_white",
+                                              title=f"{name.capitalize()}: press Run to train"))
+                 for name in ("measured utilisation", "measured timeline")}
+        self._draw({**empty, "training": plots.loss_accuracy_figure([])}, self._measured)
 
     def show_error(self, message: Optional[str], failed: bool = False) -> None:
         """The error box: ipukit's verdict, or a run that failed."""

@@ -45,11 +45,12 @@ class ExplorerData:
             return len(self._train)
         return self.train_limit or MNIST_SAMPLES
 
-    def template(self) -> List[torch.Tensor]:
-        """One sample's input and label, as zeros."""
+    def template(self, model_shape=None) -> List[torch.Tensor]:
+        """One sample's input and label, as zeros (the shape given to the explorer, else one
+        of the training set's, else ``model_shape``, the model spec's, else MNIST's)."""
         if self.sample_shape is not None:
             return [torch.zeros(self.sample_shape), torch.zeros((), dtype=torch.long)]
         if self._train is not None:
             x, y = self._train[0]
             return [torch.zeros_like(torch.as_tensor(x)), torch.zeros_like(torch.as_tensor(y))]
-        return [torch.zeros(1, 28, 28), torch.zeros((), dtype=torch.long)]
+        return [torch.zeros(tuple(model_shape or (1, 28, 28))), torch.zeros((), dtype=torch.long)]

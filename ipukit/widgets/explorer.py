@@ -6,29 +6,30 @@ The explorer puts four parts together, each in its own module:
   :class:`~ipukit.widgets.logic.Config` they describe (model, batching, the
   stage split or, for the ViT, ``layers_per_ipu``, schedule, output mode);
 * :class:`~ipukit.widgets.dashboard.Dashboard` — the figures, text and buttons;
-* :class:`~ipukit.widgets.modeler.Modeler` — the modeled call, from a cost
-  table, and ipukit's verdict on the configuration (compiled in the background
+* :class:`~ipukit.widgets.modeler.Modeler` — the modeled call, from the cost
+  table calibrated on this machine, and ipukit's verdict on the configuration (compiled in the background
   by a :class:`~ipukit.widgets.prober.Prober`) with the memory it needs;
 * :class:`~ipukit.widgets.runner.Runner` — Run, Stop and New model: real
-  training on a background thread.
+  training on a background thread;
+* :class:`~ipukit.widgets.suggester.Suggester` — a memory budget and Suggest:
+  :func:`ipukit.plan` for the current model, IPUs and global batch, applied to the controls.
 
 A control change models the call at once (:func:`~ipukit.widgets.logic.modeled_view`)
 and asks for the verdict. Every control, figure and button is an
 attribute of the explorer, so notebooks and tests drive it from code::
 
-    explorer = PipelineExplorer()
+    explorer = PipelineExplorer([mnist.explorer_model(), vit.explorer_model()])  # ipukit.examples'
     explorer.gradient_accumulation.value = 32
     explorer.modeled_utilisation          # {ipu: fraction}
     explorer.set(model="ViT", layers_per_ipu="3, 3, 1, 1")
     explorer.run(calls=3)                 # synchronous training
     explorer.measured_utilisation
+    explorer.suggest(budget_mib=4)        # ipukit.plan's plan, applied to the controls
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional
-
-import torch
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..core.errors import Error
 from . import logic
@@ -36,52 +37,48 @@ from .controls import Controls
 from .dashboard import Dashboard, update_figure  # noqa: F401 - update_figure: public here too
 from .data import ExplorerData
 from .logic import Config
-from .models import custom_model, example_models
+from .models import by_name
 from .modeler import Modeler
 from .runner import Runner
 from .session import TrainingSession
+from .suggester import Suggester
 
 
 class PipelineExplorer:
     """A dashboard to explore a pipelined model: modeled instantly, measured on demand.
 
-    Without ``model_factory`` the model control offers the tutorial's convnet and
-    the example ViT (placed by an IPUConfig's ``layers_per_ipu``). With it,
-    ``wrap`` adds the loss in the last block and ``blocks`` names the blocks in
-    order. ``train_dataset``/``test_dataset`` default to real MNIST, loaded on
-    the first run (``train_limit``/``test_limit`` keep the first samples);
-    ``sample_shape`` is one input's shape, to compile without data. ``config``
-    holds the starting control values, ``calls`` the host calls per Run.
+    ``models`` are the model specs the model control offers, the first shown first:
+    objects with the attributes of :class:`ipukit.examples.spec.ModelSpec`, e.g.
+    ``[ipukit.examples.mnist.explorer_model(), ipukit.examples.vit.explorer_model()]``
+    (a model of your own: ``ModelSpec(name, blocks, factory, wrap)``). Each model's
+    cost table is calibrated on this machine when first shown (:func:`ipukit.calibrate`).
+    ``train_dataset``/``test_dataset`` default to real MNIST, loaded on the first run
+    (``train_limit``/``test_limit`` keep the first samples); ``sample_shape`` is one
+    input's shape, to compile without data. ``config`` holds the starting control
+    values, ``calls`` the host calls per Run.
     """
 
-    def __init__(self, model_factory: Optional[Callable[[], torch.nn.Module]] = None,
-                 train_dataset=None, test_dataset=None, *, wrap=None, blocks=None,
+    def __init__(self, models: Sequence[Any], train_dataset=None, test_dataset=None, *,
                  sample_shape=None, config: Optional[Config] = None, calls: int = 20,
                  train_limit: Optional[int] = None, test_limit: Optional[int] = None,
                  evaluate: bool = True) -> None:
-        if model_factory is not None:
-            from ..examples import mnist
-
-            custom = custom_model(model_factory, wrap or mnist.TrainingModelWithLoss,
-                                  blocks or mnist.BLOCKS)
-            self.models = {custom.name: custom}
-        else:
-            self.models = dict(example_models())
+        self.models = by_name(models)
         first = next(iter(self.models.values()))
-        self.config0 = config or Config(blocks=first.blocks, model=first.name,
-                                        split=next(iter(logic.contiguous_splits(first.blocks))))
-        if self.config0.model not in self.models:           # a config written for a custom model
-            self.config0 = self.config0.with_(model=first.name)
+        self.config0 = config or logic.example_config(first)
+        if self.config0.model not in self.models:           # a config written for another model
+            self.config0 = logic.example_config(first)
         self.data = ExplorerData(train_dataset, test_dataset, train_limit, test_limit,
                                  sample_shape, evaluate)
         self._lock = threading.RLock()
         self.controls = Controls(self.models, self.config0, self._on_change)
-        self.dashboard = Dashboard(self.controls.box, calls)
+        self.suggester = Suggester(self.models, lambda: self.controls.config,
+                                   lambda c: self.modeler.costs_for(c), self.set)
+        self.dashboard = Dashboard(self.suggester.under(self.controls.box), calls)
         self.widget = self.dashboard.widget
-        self.runner = Runner(self.dashboard, self.models, self.data, self._lock, self._measured,
-                             self._show_error, evaluate, test_limit)
         self.modeler = Modeler(self.models, self.dashboard, self.data, self._lock, self.config0,
                                self._show_error)
+        self.runner = Runner(self.dashboard, self.models, self.data, self._lock, self._measured,
+                             self._show_error, self.modeler.costs_for, evaluate, test_limit)
         self.dashboard.run_button.on_click(lambda _: self.start())
         self.dashboard.stop_button.on_click(lambda _: self.stop())
         self.dashboard.reset_button.on_click(lambda _: self.reset())
@@ -90,7 +87,7 @@ class PipelineExplorer:
     # -- the parts' public attributes are the explorer's (controls, figures, buttons,
     #    modeled_utilisation, history, measured_utilisation, running, stop, wait, ...) ----
     def __getattr__(self, name: str):
-        for part in ("controls", "dashboard", "modeler", "runner", "data"):
+        for part in ("controls", "dashboard", "modeler", "runner", "data", "suggester"):
             holder = self.__dict__.get(part)
             if holder is not None and not name.startswith("_") and hasattr(holder, name):
                 return getattr(holder, name)
@@ -150,7 +147,6 @@ class PipelineExplorer:
         if previous is not None and config.model != previous.model:
             self.stop(wait=True)
             self.runner.forget()
-            self.modeler.default_costs(config)
             self.dashboard.status.value = f"{config.model}: press Run to train it."
         self.controls.sync(config)
         self.modeler.show(config)
@@ -189,7 +185,8 @@ class PipelineExplorer:
 
     @property
     def costs(self) -> logic.CostTable:
-        """The cost table the modeled view uses (default, or measured in the last run)."""
+        """The cost table the modeled view uses: the current model's, calibrated on this
+        machine at the current micro-batch size (a Run does not change it)."""
         return self.modeler.costs
 
     @property
@@ -199,15 +196,13 @@ class PipelineExplorer:
 
     # -- running -----------------------------------------------------------------------
     def _measured(self, config: Config, record: Dict[str, Any]) -> None:
-        self.modeler.measured(self.runner.measured_timeline, config, record["call"])
-        self.refresh()
+        self.refresh()          # the modeled view keeps its calibrated costs
 
     def reset(self) -> None:
         """Forget the training of the current model: fresh weights, empty curves."""
         if self.running:
             self.stop(wait=True)
         self.runner.forget(self.controls.model.value)
-        self.modeler.default_costs(self.modeler.config or self.config0)
         self.dashboard.status.value = "New model: press Run to train."
         self.refresh()
 

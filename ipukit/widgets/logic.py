@@ -9,9 +9,11 @@ browser. The flow the dashboard follows:
   schedule, optimiser offload);
 * :func:`training_options` and :func:`strategy_for` turn it into the
   :class:`ipukit.Options` a real run uses;
-* :func:`modeled_view` times one host call with :func:`ipukit.simulate`, from
-  a :class:`CostTable` (a default table, or per-block costs measured in a
-  run), and returns the numbers and figures of the *modeled* view;
+* :func:`calibrated_costs` measures a model's :class:`CostTable` on this machine
+  with :func:`ipukit.calibrate` (once per model and micro-batch size: it is cached
+  per process), and :func:`modeled_view` times one host call from it with
+  :func:`ipukit.timeline.costs.model_call`, returning the numbers and figures of
+  the *modeled* view;
 * :func:`probe` compiles the configuration (no training) so that ipukit
   itself says whether PopTorch would accept it, and what memory each stage needs;
 * :func:`call_metrics` reads a training call's outputs the way the output
@@ -20,7 +22,6 @@ browser. The flow the dashboard follows:
 from __future__ import annotations
 
 import itertools
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -34,8 +35,8 @@ from ..core.options import Options, TensorLocationSettings
 from ..schedules.registry import SCHEDULE_TITLES, kind_of
 from ..schedules.generators import placement
 from ..schedules.registry import LOOPED, V_SHAPED
-from ..timeline.simulate import available_cores, simulate, uncontended_costs
 from ..core.strategies import PipelinedExecution, ShardedExecution, Stage
+from ..timeline.costs import CostTable, model_call
 from ..timeline.events import Timeline
 
 OUTPUT_MODES = ("All", "Final", "Sum", "EveryN", "Default")
@@ -113,11 +114,14 @@ class Config:
     model: str = "convnet"
     #: an IPUConfig's ``layers_per_ipu`` for a model placed by it (the ViT); () otherwise
     layers_per_ipu: Tuple[int, ...] = ()
-    #: the IPU of each stage, when it is not stage ``s`` on IPU ``s`` (an IPU given no layer)
+    #: the IPU of each stage, when it is not stage ``s`` on IPU ``s`` (an IPU given no layer,
+    #: or a schedule that loops or folds the stages)
     ipus: Tuple[int, ...] = ()
+    #: where the model itself puts its stages (``ipus`` before a schedule placed them)
+    model_ipus: Tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("blocks", "layers_per_ipu", "ipus"):     # lists from JSON or asdict
+        for name in ("blocks", "layers_per_ipu", "ipus", "model_ipus"):     # lists from JSON or asdict
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -176,7 +180,7 @@ class Config:
     def describe(self) -> str:
         execution = "sharded" if self.sharded else f"pipelined {self.schedule}"
         split = (f"{self.model}, layers_per_ipu {list(self.layers_per_ipu)}" if self.layered
-                 else self.split if self.model == "convnet" else f"{self.model}, {self.split}")
+                 else f"{self.model}, {self.split}")
         return (f"{split} · {execution} · DI {self.device_iterations} · "
                 f"GA {self.gradient_accumulation} · micro-batch {self.micro_batch_size} · "
                 f"output {self.output_mode}" + (" · optimiser offloaded" if self.offload_optimizer
@@ -198,38 +202,33 @@ def placed(config: Config) -> Config:
     return config.with_(ipus=tuple(placement(kind, config.num_stages)))
 
 
-def example_config(model: str = "convnet", split: Optional[str] = None,
+def example_config(model, split: Optional[str] = None,
                    layers_per_ipu: Optional[Sequence[int]] = None, **values) -> Config:
-    """A :class:`Config` of one of the explorer's models (``"convnet"`` or ``"ViT"``).
+    """A :class:`Config` of ``model``, a model spec (``ipukit.examples.mnist.explorer_model()``).
 
-    The convnet takes a ``split`` label (default: one block per stage); the ViT
-    a ``layers_per_ipu`` (default: its packaged IPUConfig's), and its split is
-    where the ViT's own ``parallelize`` puts each block. Other keywords are
-    :class:`Config` fields; the stages go on the IPUs the schedule wants
-    (:func:`placed`). Raises :class:`ipukit.Error` for counts that do not fit
-    the model, a ``ValueError`` for stages the schedule cannot place.
+    A model placed by stage split takes a ``split`` label (default: one block per
+    stage); one placed by ``layers_per_ipu`` takes the counts (default: its own), and
+    its split is where the model's own ``parallelize`` puts each block. Other keywords
+    are :class:`Config` fields; the stages go on the IPUs the schedule wants
+    (:func:`placed`). Raises :class:`ipukit.Error` for counts that do not fit the model,
+    a ``ValueError`` for stages the schedule cannot place.
     """
-    from .models import example_models, layered_split
+    from .models import layered_split
 
-    spec = example_models()[model]
-    if not spec.layered:
-        return placed(Config(model=spec.name, blocks=spec.blocks,
-                             split=split or next(iter(contiguous_splits(spec.blocks))), **values))
-    layers = tuple(int(n) for n in (layers_per_ipu or spec.default_layers))
-    block_ipus, stage_ipus = layered_split(spec, layers)
+    if not model.layered:
+        return placed(Config(model=model.name, blocks=tuple(model.blocks),
+                             split=split or next(iter(contiguous_splits(model.blocks))), **values))
+    layers = tuple(int(n) for n in (layers_per_ipu or model.default_layers))
+    block_ipus, stage_ipus = layered_split(model, layers)
     ipus = () if stage_ipus == tuple(range(len(stage_ipus))) else stage_ipus
-    return placed(Config(model=spec.name, blocks=spec.blocks,
-                         split=split_label(spec.blocks, block_ipus), layers_per_ipu=layers,
-                         ipus=ipus, **values))
+    return placed(Config(model=model.name, blocks=tuple(model.blocks),
+                         split=split_label(model.blocks, block_ipus), layers_per_ipu=layers,
+                         ipus=ipus, model_ipus=ipus, **values))
 
 
 def strategy_for(config: Config) -> PipelinedExecution:
     """The execution strategy of ``config``: one :class:`~ipukit.Stage` per group of blocks,
     on the IPU of :attr:`Config.stage_ipus`."""
-    if tuple(config.blocks) == DEFAULT_BLOCKS and not config.ipus:
-        from ..examples.mnist import strategy
-
-        return strategy(config.split_ids, sharded=config.sharded)
     stages = [Stage(*names).ipu(ipu) for ipu, names in zip(config.stage_ipus, config.stage_blocks)]
     cls = ShardedExecution if config.sharded else PipelinedExecution
     return cls(*stages)
@@ -301,147 +300,83 @@ def host_calls_per_epoch(samples: int, config: Config) -> int:
     return int(samples) // config.combined_batch
 
 
+#: what the dashboard adds to an error that depends on the order the controls are moved in
+ORDER_HINTS = (
+    ("gradientAccumulation", "The controls can be moved in any order: raise gradient "
+     "accumulation, or choose a schedule with two stages per IPU (ZBV, DualPipeV, "
+     "Interleaved1F1B, LoopedBFS), and this message goes once the combination fits."),
+    ("even number of stages", "The controls can be moved in any order: choose an even "
+     "number of stages, or another schedule, and this message goes."),
+)
+
+
 def check_message(exc: BaseException) -> str:
-    """The text the dashboard shows for an error."""
-    name = type(exc).__name__
-    return f"{name}: {exc}"
+    """The text the dashboard shows for an error: ipukit's message, then what to change when
+    the error comes from a combination of controls (:data:`ORDER_HINTS`)."""
+    text = f"{type(exc).__name__}: {exc}"
+    hints = [hint for marker, hint in ORDER_HINTS if marker in text]
+    return " ".join([text, *hints[:1]])
 
 
 # -- costs --------------------------------------------------------------------------------
 
-# The default cost table of the tutorial's network, in seconds: a fixed cost per pass
-# (framework overhead) plus a cost per sample, per block. Measured on one CPU core with
-# ipukit.balance.measure_blocks at micro-batches of 8, 40 and 128 samples, and rounded.
-_FIXED = {"forward": 8.0e-5, "backward": 1.5e-4}
-_PER_SAMPLE = {
-    "forward": {"B1": 7.0e-5, "B2": 3.0e-5, "B3": 4.5e-6, "B4": 1.5e-6},
-    "backward": {"B1": 2.4e-5, "B2": 5.4e-5, "B3": 6.0e-6, "B4": 2.0e-6},
-}
-_PER_SAMPLE_OTHER = 1.0e-5          # blocks of other models: all alike
-# The example ViT's blocks (ipukit.examples.vit, width 64, 17 tokens), (fixed, per sample)
-# seconds, measured the same way at micro-batches of 4 to 64 samples and rounded. Every
-# encoder layer costs the same; the embedding and the head (with the loss) are small.
-_VIT = {
-    "forward": {"Embedding": (4.0e-4, 4.0e-6), "Encoder": (3.0e-4, 3.2e-5),
-                "LayerNorm": (5.0e-5, 1.5e-6), "Classifier": (8.0e-5, 1.0e-6)},
-    "backward": {"Embedding": (3.0e-4, 7.0e-6), "Encoder": (3.5e-4, 5.0e-5),
-                 "LayerNorm": (5.0e-5, 1.5e-6), "Classifier": (4.7e-4, 6.0e-6)},
-}
-_STEP = 1.0e-3                      # AdamW on the whole model
-_HOST_FIXED, _HOST_PER_SAMPLE = 1.0e-3, 1.0e-6
+#: micro-batches each block is timed on when calibrating (the median is kept)
+CALIBRATION_REPEATS = 12
 
 
-def default_block_cost(kind: str, block: str, micro_batch_size: int) -> float:
-    """Seconds one micro-batch's ``kind`` pass of ``block`` takes in the default table."""
-    vit = _VIT[kind].get(block) or (_VIT[kind]["Encoder"] if re.fullmatch(r"Encoder\d+", block)
-                                    else None)
-    if vit is not None:
-        return vit[0] + vit[1] * micro_batch_size
-    per_sample = _PER_SAMPLE[kind].get(block, _PER_SAMPLE_OTHER)
-    return _FIXED[kind] + per_sample * micro_batch_size
+_CALIBRATED: Dict[Tuple[int, int, int], Tuple[Any, CostTable]] = {}
 
 
-@dataclass
-class CostTable:
-    """Per-block costs (seconds per micro-batch) the modeled view times a call with.
-
-    ``micro_batch_size`` is the size the costs hold for; :meth:`at` rescales
-    them to another size with the default table's shape. ``source`` names
-    where they came from (shown in the figure titles).
-    """
-
-    blocks: Tuple[str, ...]
-    forward: Dict[str, float]
-    backward: Dict[str, float]
-    step: float = _STEP
-    host_overhead: float = _HOST_FIXED
-    host_per_sample: float = _HOST_PER_SAMPLE
-    micro_batch_size: int = 40
-    source: str = "default cost table"
-    #: the weight-gradient share of a backward pass that zero-bubble schedules split in
-    #: two (I, then W); 0.5 unless a run with a split backward measured it
-    weight_share: float = 0.5
-
-    @property
-    def measured(self) -> bool:
-        return self.source != "default cost table"
-
-    def at(self, micro_batch_size: int) -> "CostTable":
-        """The same table for another micro-batch size."""
-        if micro_batch_size == self.micro_batch_size:
-            return self
-
-        def scale(kind: str, block: str, value: float) -> float:
-            old = default_block_cost(kind, block, self.micro_batch_size)
-            return value * default_block_cost(kind, block, micro_batch_size) / old
-
-        return replace(self, micro_batch_size=micro_batch_size,
-                       forward={b: scale("forward", b, v) for b, v in self.forward.items()},
-                       backward={b: scale("backward", b, v) for b, v in self.backward.items()})
-
-    def stage_costs(self, config: Config) -> Dict[str, List[float]]:
-        """Per-stage forward / backward costs of ``config``'s split (sums of its blocks)."""
-        table = self.at(config.micro_batch_size)
-        return {kind: [sum(getattr(table, kind)[b] for b in names) for names in config.stage_blocks]
-                for kind in ("forward", "backward")}
+def is_calibrated(model, micro_batch_size: int, repeats: int = CALIBRATION_REPEATS) -> bool:
+    """Whether :func:`calibrated_costs` has this table already (it returns at once)."""
+    return (id(model), int(micro_batch_size), int(repeats)) in _CALIBRATED
 
 
-def default_costs(blocks: Sequence[str] = DEFAULT_BLOCKS, micro_batch_size: int = 40) -> CostTable:
-    """The default cost table (a fixed cost per pass plus a cost per sample, per block)."""
-    return CostTable(tuple(blocks),
-                     {b: default_block_cost("forward", b, micro_batch_size) for b in blocks},
-                     {b: default_block_cost("backward", b, micro_batch_size) for b in blocks},
-                     micro_batch_size=micro_batch_size)
+def calibrated_costs(model, micro_batch_size: int, repeats: int = CALIBRATION_REPEATS) -> CostTable:
+    """``model``'s cost table on this machine at ``micro_batch_size``, from
+    :func:`ipukit.calibrate` (each block timed alone, the pass and hand-off costs, one
+    AdamW step); blocks the spec says are ``alike`` get their group's median. Paid once
+    per model spec and micro-batch size in a process: the same table comes back after.
+    Its ``notes["source"]`` says where it came from."""
+    import statistics
+
+    from ..calibrate import calibrate
+    from ..core.optim import AdamW
+
+    key = (id(model), int(micro_batch_size), int(repeats))
+    if key in _CALIBRATED:
+        return _CALIBRATED[key][1]
+    module = model.calibration_module()
+    table = calibrate(module, model.sample_batch(micro_batch_size), block_order=list(model.blocks),
+                      repeats=repeats, optimizer=AdamW(module.parameters()))
+    index = {b: i for i, b in enumerate(table.blocks)}
+    changes: Dict[str, Any] = {"notes": {**table.notes, "source": "costs calibrated on this machine"}}
+    for name in ("forward", "backward", "input_grad", "weight_grad"):
+        values = getattr(table, name, None)
+        if values is None:
+            continue
+        values = list(values)
+        for group in getattr(model, "alike", ()):
+            middle = statistics.median(values[index[b]] for b in group)
+            for b in group:
+                values[index[b]] = middle
+        changes[name] = values
+    table = replace(table, **changes)
+    _CALIBRATED[key] = (model, table)
+    return table
 
 
-def _share(total: float, kind: str, names: Sequence[str], micro_batch_size: int) -> Dict[str, float]:
-    weights = [default_block_cost(kind, b, micro_batch_size) for b in names]
-    whole = sum(weights) or 1.0
-    return {b: total * w / whole for b, w in zip(names, weights)}
+def calibrated_tables(model, repeats: int = CALIBRATION_REPEATS) -> List[CostTable]:
+    """Every table :func:`calibrated_costs` holds for ``model``, smallest micro-batch first
+    (what the explorer's Suggest gives :func:`ipukit.plan` instead of calibrating again)."""
+    tables = [t for (ident, _, r), (_, t) in _CALIBRATED.items()
+              if ident == id(model) and r == int(repeats)]
+    return sorted(tables, key=lambda t: t.micro_batch)
 
 
-def costs_from_run(timeline: Timeline, config: Config, source: Optional[str] = None,
-                   cores: Optional[int] = None) -> CostTable:
-    """Per-block costs measured in a training call of ``config`` (medians).
-
-    A stage holding one block gives that block's cost directly; a stage of
-    several blocks shares its measured cost among them in the proportions of
-    the default table. The optimiser step and the host's per-call work are
-    measured too.
-
-    Measured spans stretch when more workers run than the machine has cores
-    (``cores``, default the cores the executor shares: the process's CPU
-    affinity); the costs are each pass's share of a core over its span
-    (:func:`ipukit.simulate.uncontended_costs`), what the pass costs alone,
-    so that a model with one core per virtual IPU (an IPU's view) does not
-    inherit the contention.
-    """
-    stage = uncontended_costs(timeline, available_cores() if cores is None else cores)
-    forward: Dict[str, float] = {}
-    backward: Dict[str, float] = {}
-    groups = config.stage_blocks
-    for s, names in enumerate(groups):
-        f = stage["forward"][s] if s < len(stage["forward"]) else 0.0
-        b = stage["backward"][s] if s < len(stage["backward"]) else 0.0
-        forward.update(_share(f, "forward", names, config.micro_batch_size))
-        backward.update(_share(b, "backward", names, config.micro_batch_size))
-    share = 0.5
-    if stage.get("input-grad") and sum(stage["input-grad"]) + sum(stage["weight-grad"]) > 0:
-        share = sum(stage["weight-grad"]) / (sum(stage["input-grad"]) + sum(stage["weight-grad"]))
-    step = _median([e.duration for e in timeline.host_steps()], _STEP)
-    host = [e for e in timeline.events if e.kind == "host"]
-    edge = [e for e in host if e.start <= timeline.start + 1e-12 or e.end >= timeline.end - 1e-12]
-    inner = [e.duration for e in host if e not in edge]      # combining gradients before a step
-    step += _median(inner, 0.0)
-    return CostTable(tuple(config.blocks), forward, backward, step=step,
-                     host_overhead=sum(e.duration for e in edge), host_per_sample=0.0,
-                     micro_batch_size=config.micro_batch_size,
-                     source=source or "costs measured in a run", weight_share=share)
-
-
-def _median(values: Sequence[float], default: float) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if values else default
+def cost_source(costs: CostTable) -> str:
+    """Where a cost table came from, as the figure titles say it."""
+    return costs.notes.get("source") or "costs calibrated on this machine"
 
 
 # -- the modeled view ---------------------------------------------------------------------
@@ -459,17 +394,21 @@ def offload_step_cost(config: Config, parameters: int) -> float:
 
 
 def modeled_timeline(config: Config, costs: CostTable, parameters: int = 0) -> Timeline:
-    """One host call of ``config``, modeled with :func:`ipukit.simulate`."""
-    n = config.num_stages
-    c = costs.stage_costs(config)
-    step = costs.step + offload_step_cost(config, parameters)
-    host = costs.host_overhead + costs.host_per_sample * config.combined_batch
-    return simulate(config.schedule_kind, n, config.gradient_accumulation,
-                    forward_cost=c["forward"], backward_cost=c["backward"],
-                    step_cost=[step] * n, host_overhead=host,
-                    iterations=config.device_iterations, replicas=config.replicas,
-                    stage_ipus=list(config.stage_ipus), samples=config.combined_batch,
-                    weight_share=costs.weight_share)
+    """One host call of ``config``, modeled from ``costs`` with
+    :func:`ipukit.timeline.costs.model_call`, with a processor per virtual IPU (as on IPUs:
+    the passes of different IPUs never wait for a core).
+
+    The table must hold ``config``'s blocks at its micro-batch size (``ValueError``).
+    """
+    if costs.micro_batch and costs.micro_batch != config.micro_batch_size:
+        raise ValueError(f"the cost table was measured at micro-batches of {costs.micro_batch}, "
+                         f"the configuration has {config.micro_batch_size}: calibrate at that size")
+    table = replace(costs, step=costs.step + offload_step_cost(config, parameters))
+    workers = len(config.stage_ipus) * config.replicas
+    return model_call(table, config.schedule_kind, config.stage_blocks,
+                      config.gradient_accumulation, iterations=config.device_iterations,
+                      replicas=config.replicas, stage_ipus=list(config.stage_ipus),
+                      samples=config.combined_batch, cores=workers)
 
 
 def clip_for_drawing(timeline: Timeline, max_events: int = MAX_DRAWN_EVENTS) -> Tuple[Timeline, str]:
@@ -539,7 +478,7 @@ def modeled_view(config: Config, costs: CostTable, samples_per_epoch: int,
                        overall=u["overall"], bubble=b["shares"]["bubble"], wall_time=tl.wall_time,
                        samples_per_second=tl.throughput(), combined_batch=config.combined_batch,
                        host_calls_per_epoch=host_calls_per_epoch(samples_per_epoch, config),
-                       cost_source=costs.source, drawn=drawn, drawn_note=note,
+                       cost_source=cost_source(costs), drawn=drawn, drawn_note=note,
                        time_per_step=tl.time_per_step(), breakdown=b)
 
 

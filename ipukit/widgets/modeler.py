@@ -1,14 +1,15 @@
 """The explorer's modeled side: the cost table, the modeled call, ipukit's verdict.
 
 :class:`Modeler` turns a :class:`~ipukit.widgets.logic.Config` into a
-:class:`~ipukit.widgets.logic.ModeledView` at once, from the cost table of the
-model (the default table, or the costs a run measured), and asks a
+:class:`~ipukit.widgets.logic.ModeledView` at once, from the model's cost table
+calibrated on this machine (:func:`~ipukit.widgets.logic.calibrated_costs`: once per
+model and micro-batch size; a Run does not replace it), and asks a
 :class:`~ipukit.widgets.prober.Prober` for ipukit's verdict (compiling in the
 background); both are drawn on the :class:`~ipukit.widgets.dashboard.Dashboard`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -17,7 +18,6 @@ from .comparison import ScheduleRow, schedule_rows
 from .dashboard import Dashboard
 from .data import ExplorerData
 from .logic import Config
-from .models import ExampleModel
 from .prober import Prober
 
 
@@ -27,7 +27,7 @@ class Modeler:
     ``on_verdict()`` is called when a verdict changes what the error box shows.
     """
 
-    def __init__(self, models: Dict[str, ExampleModel], dashboard: Dashboard,
+    def __init__(self, models: Dict[str, Any], dashboard: Dashboard,
                  data: ExplorerData, lock, config0: Config,
                  on_verdict: Callable[[], None]) -> None:
         self.models = models
@@ -36,7 +36,8 @@ class Modeler:
         self._lock = lock
         self._on_verdict = on_verdict
         self._networks: Dict[str, torch.nn.Module] = {}
-        self.costs = logic.default_costs(config0.blocks, config0.micro_batch_size)
+        #: the cost table of the configuration modeled last
+        self.costs: Optional[logic.CostTable] = None
         self.config: Optional[Config] = None
         self.view: Optional[logic.ModeledView] = None
         #: every schedule on the same stages, modeled (:func:`~ipukit.widgets.comparison.schedule_rows`)
@@ -50,6 +51,7 @@ class Modeler:
         with self._lock:
             self.config = config
             samples, parameters = self.data.samples_per_epoch, self.parameters(config.model)
+            self.costs = self.costs_for(config)
             self.view = logic.modeled_view(config, self.costs, samples, parameters=parameters)
             self.rows = schedule_rows(config, self.costs, samples, parameters)
             result = self.prober.request(config)
@@ -80,8 +82,9 @@ class Modeler:
         return self.prober.cached(self.config) if self.config is not None else None
 
     def _compile(self, config: Config) -> logic.ProbeResult:
-        return logic.probe(config, self.network(config.model), self.models[config.model].wrap,
-                           self.data.template())
+        model = self.models[config.model]
+        return logic.probe(config, self.network(config.model), model.wrap,
+                           self.data.template(getattr(model, "sample_shape", None)))
 
     def network(self, name: str) -> torch.nn.Module:
         """The throw-away network the verdicts are compiled with (one per model)."""
@@ -112,11 +115,19 @@ class Modeler:
         return self.view.host_calls_per_epoch
 
     # -- costs -------------------------------------------------------------------------
-    def measured(self, timeline, config: Config, call: int) -> None:
-        """Model from now on with the costs measured in ``timeline`` (call ``call``)."""
-        self.costs = logic.costs_from_run(timeline, config,
-                                          source=f"costs measured in call {call}")
-
-    def default_costs(self, config: Config) -> None:
-        """Back to the default cost table of ``config``'s model."""
-        self.costs = logic.default_costs(config.blocks, config.micro_batch_size)
+    def costs_for(self, config: Config) -> logic.CostTable:
+        """The cost table of ``config``'s model at its micro-batch size, calibrated on this
+        machine the first time it is needed (:func:`~ipukit.widgets.logic.calibrated_costs`)."""
+        model, size = self.models[config.model], config.micro_batch_size
+        if logic.is_calibrated(model, size):
+            return logic.calibrated_costs(model, size)
+        status = self.dashboard.status
+        with self._lock:
+            before = status.value
+            status.value = (f"Calibrating the {config.model} on this machine (micro-batches of "
+                            f"{config.micro_batch_size}), once…")
+            try:
+                return logic.calibrated_costs(model, size)
+            finally:
+                if status.value.startswith("Calibrating"):
+                    status.value = before

@@ -1,27 +1,27 @@
-"""The models the explorer can pipeline: the tutorial's convnet and the example ViT.
+"""The models the explorer is given, and the placement of those placed by ``layers_per_ipu``.
 
-A :class:`ExampleModel` says how to build a network, how to make it a training
-model (the convnet gets its loss wrapper; the ViT computes its own loss) and
-how its blocks are placed on virtual IPUs:
+The explorer knows no model of its own: it receives **model specs**, objects with
+the attributes of :class:`ipukit.examples.spec.ModelSpec` (each example exports
+one: ``ipukit.examples.mnist.explorer_model()``, ``ipukit.examples.vit.explorer_model()``)
+— ``name``, ``blocks``, ``factory``, ``wrap``, ``layered`` (with ``layers``,
+``default_layers``, ``presets``), ``calibration_module()`` and ``sample_batch(size)``.
+A model's blocks are placed
 
 * **by stage split** (the convnet): the explorer's ``split`` control lists the
   blocks of each stage, and :func:`ipukit.widgets.logic.strategy_for` makes the
   :class:`~ipukit.Stage` objects;
 * **by** ``layers_per_ipu`` (the ViT): as optimum-graphcore did it, the control
   holds an :class:`~ipukit.IPUConfig`'s ``layers_per_ipu`` and the model's own
-  ``parallelize(ipu_config)`` places its blocks (``get_layer_ipu`` for the
-  encoder layers, the embeddings and the head where the model puts them).
-  :func:`layered_split` reads back where ``parallelize`` put every block; the
-  explorer adds no placement rule of its own.
+  ``parallelize(ipu_config)`` places its blocks. :func:`layered_split` reads back
+  where ``parallelize`` put every block; the explorer adds no placement rule of its own.
 
-Nothing here imports ipywidgets.
+Nothing here imports ipywidgets, nor any example.
 """
 from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -29,71 +29,37 @@ from ..core.blocks import begin_blocks
 from ..core.errors import OptionsError
 from ..ipuconfig.config import IPUConfig
 
+#: what the explorer reads of a model spec
+SPEC_ATTRIBUTES = ("name", "blocks", "factory", "wrap", "layered", "calibration_module",
+                   "sample_batch")
+
 
 class LayersPerIpuError(OptionsError):
     """A ``layers per IPU`` entry that is not a list of whole numbers."""
 
 
-@dataclass(frozen=True)
-class ExampleModel:
-    """A network the explorer can build, train and place.
-
-    ``layers`` > 0 means the model is placed by ``layers_per_ipu`` through an
-    :class:`~ipukit.IPUConfig` and its ``parallelize(ipu_config)`` method; its
-    ``presets`` are offered in the control, ``default_layers`` is the start.
-    """
-
-    name: str
-    blocks: Tuple[str, ...]
-    factory: Callable[[], torch.nn.Module]
-    wrap: Callable[[torch.nn.Module], torch.nn.Module]
-    layers: int = 0
-    default_layers: Tuple[int, ...] = ()
-    presets: Tuple[str, ...] = ()
-    micro_batch_size: int = 40
-
-    @property
-    def layered(self) -> bool:
-        return self.layers > 0
-
-
-def _identity(network: torch.nn.Module) -> torch.nn.Module:
-    return network
-
-
-def _convnet() -> ExampleModel:
-    from ..examples import mnist
-
-    return ExampleModel("convnet", tuple(mnist.BLOCKS), mnist.Network, mnist.TrainingModelWithLoss)
-
-
-def _vit() -> ExampleModel:
-    from ..examples.vit import CONFIG_PATH, ViT
-
-    config = IPUConfig.from_pretrained(CONFIG_PATH)
-    layers = sum(config.layers_per_ipu)
-    blocks = ("Embedding", *(f"Encoder{i}" for i in range(layers)), "LayerNorm", "Classifier")
-    presets = ("2, 2, 2, 2", "1, 1, 1, 1, 1, 1, 1, 1", "3, 3, 1, 1", "-1, -1, -1, -1", "3, -1, -1",
-               "4, 4", "-1, -1", "0, 4, 4", f"{layers}")
-    return ExampleModel("ViT", blocks, functools.partial(ViT, num_layers=layers), _identity,
-                        layers=layers, default_layers=tuple(config.layers_per_ipu),
-                        presets=presets, micro_batch_size=16)
-
-
-@functools.lru_cache(maxsize=None)
-def example_models() -> Dict[str, ExampleModel]:
-    """The explorer's model choices, by name: ``"convnet"`` (the tutorial's) and ``"ViT"``."""
-    return {m.name: m for m in (_convnet(), _vit())}
-
-
-def custom_model(factory, wrap, blocks) -> ExampleModel:
-    """A user's network, placed by stage split (the explorer's ``model_factory=`` argument)."""
-    return ExampleModel("custom", tuple(blocks), factory, wrap)
+def by_name(models: Sequence[Any]) -> Dict[str, Any]:
+    """``{spec.name: spec}`` of the explorer's models, in order; a ``TypeError`` names what
+    a spec lacks, a ``ValueError`` a repeated name."""
+    out: Dict[str, Any] = {}
+    for spec in models:
+        missing = [a for a in SPEC_ATTRIBUTES if not hasattr(spec, a)]
+        if missing:
+            raise TypeError(f"{spec!r} is not a model spec: it has no {missing} (see "
+                            "ipukit.examples.spec.ModelSpec, e.g. ipukit.examples.mnist."
+                            "explorer_model())")
+        if spec.name in out:
+            raise ValueError(f"two models named {spec.name!r}")
+        out[spec.name] = spec
+    if not out:
+        raise ValueError("the explorer needs at least one model spec, e.g. "
+                         "models=[ipukit.examples.mnist.explorer_model()]")
+    return out
 
 
 # -- layers_per_ipu ------------------------------------------------------------------------
 
-def parse_layers(text: str, model: ExampleModel) -> Tuple[int, ...]:
+def parse_layers(text: str, model) -> Tuple[int, ...]:
     """``"2, 2, 2, 2"`` (or ``"[2 2 2 2]"``) → ``(2, 2, 2, 2)``; ``-1`` is optimum's wildcard."""
     parts = [p for p in re.split(r"[\s,\[\]]+", str(text)) if p]
     try:
@@ -125,8 +91,7 @@ def annotated_ipus(network: torch.nn.Module) -> Dict[str, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _layered_split(name: str, layers_per_ipu: Tuple[int, ...]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    model = example_models()[name]
+def _layered_split(model, layers_per_ipu: Tuple[int, ...]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     network = model.factory().parallelize(ipu_config_for(layers_per_ipu))
     placed = annotated_ipus(network)
     missing = [b for b in model.blocks if placed.get(b) is None]
@@ -140,16 +105,16 @@ def _layered_split(name: str, layers_per_ipu: Tuple[int, ...]) -> Tuple[Tuple[in
     return tuple(ipus), tuple(stage_ipus)
 
 
-def layered_split(model: ExampleModel, layers_per_ipu: Sequence[int]
+def layered_split(model, layers_per_ipu: Sequence[int]
                   ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Where ``model.parallelize(IPUConfig(layers_per_ipu=...))`` puts each block.
+    """Where ``model.factory().parallelize(IPUConfig(layers_per_ipu=...))`` puts each block.
 
     Returns ``(ipu of each block, ipu of each stage)``: consecutive blocks on one
     IPU form a stage, as ipukit's compiler merges them. An IPU given no layer
     (``"4, 0, 4"``) holds no stage. Raises :class:`ipukit.IPUConfigError` with
-    ``get_layer_ipu``'s message when the counts do not fit the model.
+    ``get_layer_ipu``'s message when the counts do not fit the model. Kept per
+    (model spec, counts): the spec must be hashable (a frozen dataclass is).
     """
-    if model.name not in example_models() or example_models()[model.name] is not model:
-        raise ValueError(f"layered_split: {model.name!r} is not one of the explorer's models")
-    return _layered_split(model.name, tuple(int(n) for n in layers_per_ipu))
-
+    if not model.layered:
+        raise ValueError(f"layered_split: {model.name!r} is not placed by layers_per_ipu")
+    return _layered_split(model, tuple(int(n) for n in layers_per_ipu))

@@ -17,23 +17,23 @@ from . import logic
 from .dashboard import Dashboard
 from .data import ExplorerData
 from .logic import Config
-from .models import ExampleModel
 from .session import TrainingSession
 
 
 class Runner:
     """Trains the explorer's model with ipukit, call by call, on a background thread.
 
-    ``models`` are the explorer's models, ``data`` its datasets;
-    ``on_done(config, record)`` is called after a run that made at least one call
-    (the explorer re-models with the measured costs); ``on_error()`` after the
-    run error changed. ``lock`` is held while compiling.
+    ``models`` are the explorer's model specs, ``data`` its datasets;
+    ``on_done(config, record)`` is called after a run that made at least one call;
+    ``on_error()`` after the run error changed. ``costs_for(config)`` is the cost
+    table the modeled view uses: each measured call is drawn over the same call
+    modeled from it. ``lock`` is held while compiling.
     """
 
-    def __init__(self, dashboard: Dashboard, models: Dict[str, ExampleModel], data: ExplorerData,
+    def __init__(self, dashboard: Dashboard, models: Dict[str, Any], data: ExplorerData,
                  lock, on_done: Callable[[Config, Dict[str, Any]], None],
-                 on_error: Callable[[], None], evaluate: bool = True,
-                 test_limit: Optional[int] = None) -> None:
+                 on_error: Callable[[], None], costs_for: Callable[[Config], logic.CostTable],
+                 evaluate: bool = True, test_limit: Optional[int] = None) -> None:
         self.dashboard = dashboard
         self.models = models
         self.data = data
@@ -47,6 +47,7 @@ class Runner:
         self._lock = lock
         self._on_done = on_done
         self._on_error = on_error
+        self._costs_for = costs_for
         self._test_limit = test_limit
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -168,5 +169,5 @@ class Runner:
             f"Call {record['call']}: loss {record['loss']:.4f}, training accuracy {acc} from "
             f"{record['predictions']:,} of {record['combined_batch']:,} samples "
             f"({config.resolved_output_mode} output), {record['samples_per_s']:,.0f} samples/s.")
-        modeled = logic.modeled_timeline(config, logic.costs_from_run(timeline, config))
+        modeled = logic.modeled_timeline(config, self._costs_for(config))
         self.dashboard.show_measured(timeline, self.history, record["call"], modeled)

@@ -84,6 +84,9 @@ def ensure_process_group(options) -> None:
                 "`ipukit-run --nproc N script.py` (or torchrun), or call "
                 "Options.Distributed.disable() to run in one process.")
     backend = "cpu:gloo,cuda:nccl" if _wants_cuda(options) else "gloo"
+    store = None
+    if _REBUILT["store"] is not None:  # after a stall: a fresh group on the same rendezvous
+        store = dist.PrefixStore(f"ipukit/rebuilt/{_REBUILT['count']}/", _REBUILT["store"])
     if _wants_cuda(options):
         gpus = torch.cuda.device_count()
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", d.numProcesses))
@@ -96,14 +99,97 @@ def ensure_process_group(options) -> None:
         torch.cuda.set_device(local % gpus)
     try:
         dist.init_process_group(backend, rank=d.processId, world_size=d.numProcesses,
-                                timeout=_timeout())
+                                timeout=_timeout(), store=store)
     except Exception as exc:  # noqa: BLE001 - re-raised with the setting to check
         raise DistributedError(
             f"ipukit could not join the process group at {os.environ.get('MASTER_ADDR')}:"
             f"{os.environ.get('MASTER_PORT')} as rank {d.processId} of {d.numProcesses} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Launch "
             "every process with ipukit-run/torchrun and the same rendezvous.") from exc
-    _install_failure_report()
+    if store is None:  # once: a rebuilt group keeps the first one's report
+        _install_failure_report()
+
+
+#: the rendezvous store kept when a stalled call tore the process group down, and how many
+#: times that happened (every process of the run counts the same stalls)
+_REBUILT = {"store": None, "count": 0}
+
+
+def teardown_process_group() -> None:
+    """Tear the process group down after a stopped call; the next call builds a fresh one.
+
+    The rendezvous store is kept (torchrun's, or the first group's): the new group joins
+    under a prefix of its own, so no key of the old group is read again.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        store = None
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - its connections are already cut
+        pass
+    if store is not None:
+        if isinstance(store, dist.PrefixStore):  # a rebuilt group's: keep the base store
+            store = _REBUILT["store"] or store
+        _REBUILT["store"] = store
+        _REBUILT["count"] += 1
+
+
+def default_store():
+    """The default process group's rendezvous store."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def cut_connections() -> int:
+    """Shut this process's process-group connections (every established TCP socket except
+    the rendezvous store's), so that a wait for a peer ends at once with an error, here
+    and on the peers. gloo has no way to end a pending receive from another thread (its
+    ``abort()`` returns and leaves it waiting). Linux only; returns the sockets shut."""
+    import socket
+
+    port = int(os.environ.get("MASTER_PORT", "0") or 0)
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) < 10 or cols[3] != "01":  # ESTABLISHED only
+                        continue
+                    local = int(cols[1].rsplit(":", 1)[1], 16)
+                    remote = int(cols[2].rsplit(":", 1)[1], 16)
+                    if port and port in (local, remote):
+                        continue  # the rendezvous store: the next group needs it
+                    inodes.add(cols[9])
+        except OSError:
+            return 0
+    shut = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            try:
+                sock = socket.socket(fileno=int(fd))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                shut += 1
+            except OSError:
+                pass
+            finally:
+                sock.detach()  # the fd stays gloo's
+    return shut
 
 
 def _install_failure_report() -> None:

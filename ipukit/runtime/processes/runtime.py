@@ -45,7 +45,8 @@ from ..gpu_clock import GpuClock
 from ...timeline.events import Event, Timeline
 from ..contract import StateSnapshot, abort_call, action_event, gradient_scale, step, step_events
 from .exchange import RowExchange, SpanGather
-from .group import (DistributedError, device_for, is_comm_error, note_failure, peer_failure, ensure_process_group, is_active)
+from .group import (DistributedError, device_for, is_comm_error, note_failure, peer_failure, ensure_process_group, is_active, teardown_process_group, default_store)
+from .watchdog import ProcessWatchdog
 from .replicas import ALL_REDUCE, DDP, gradient_sync, sum_over_replicas, under_ddp
 from .stages import (CallContext, StageBody, carry_plan, process_lanes, schedule_runner, timed_stage_class)
 
@@ -282,6 +283,8 @@ class _Recorder:
 class _Runtime:
     """This process's part of a distributed model: its stages, torch's schedule runtime, groups."""
 
+    watchdog: Optional[ProcessWatchdog] = None   # set when Options.stallTimeout is on
+
     def __init__(self, model, flat_inputs: Sequence) -> None:
         c = self.compiled = _compiled(model)
         part = c.partition
@@ -333,6 +336,10 @@ class _Runtime:
         # at most: every action of an iteration, a step per stage and the host's span, per iteration
         per_iteration = sum(len(lane) for lane in lay.lanes) + n + 1
         self.spans = SpanGather(per_iteration * c.schedule.iterations, lay.world, lay.rank)
+        #: stops a call in which no process completed an action for Options.stallTimeout
+        if c.options.stall_timeout:
+            self.watchdog = ProcessWatchdog(c.options.stall_timeout, self.ctx, lay, n,
+                                            default_store())
         self.runner = schedule_runner(c.schedule, c.training, self.stages, lay.stage_rank,
                                       lay.lanes, loss_fn)
         if c.training:
@@ -358,6 +365,8 @@ class _Runtime:
         snapshot = self.snapshot.capture(self.own, c.optimizer, c.training and not later)
         self.weights_due, self.weights_taken = later, False
         try:
+            if self.watchdog is not None:
+                self.watchdog.begin(self.recorder.call_index)
             return self._run(flat)
         except BaseException:
             def restore() -> None:
@@ -369,6 +378,9 @@ class _Runtime:
             # of the failure through the group), so there is nothing left to join here
             abort_call(lambda: None, lambda _deadline: [], restore)
             raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.end()
 
     def _copy_weights(self) -> None:
         """This call's copy of the weights and optimiser state, if still due."""
@@ -542,10 +554,12 @@ def maybe_run(model, args: tuple, kwargs: dict):
             state["processes"] = rt
         return rt.run(flat)
     except DistributedError as exc:
+        _raise_if_stalled(state, exc)
         if not getattr(exc, "_peer", False):
             note_failure(exc)
         raise
     except BaseException as exc:
+        _raise_if_stalled(state, exc)
         if is_comm_error(exc):
             cause = peer_failure(started - 1.0)
             me = opts.Distributed.processId
@@ -569,6 +583,22 @@ def maybe_run(model, args: tuple, kwargs: dict):
         if hasattr(exc, "add_note"):
             exc.add_note(f"(ipukit: raised by process {rank} of {opts.Distributed.numProcesses})")
         raise
+
+
+def _raise_if_stalled(state: dict, exc: BaseException) -> None:
+    """After the watchdog stopped a call (restored already): tear the process group down,
+    forget this model's runtime (the next call builds both afresh), raise its StallError."""
+    rt = state.get("processes")
+    fired = None if rt is None or rt.watchdog is None else rt.watchdog.verdict(
+        is_comm_error(exc))
+    if fired is None:
+        return
+    state.pop("processes", None)
+    rt.watchdog.close()
+    teardown_process_group()
+    if exc is fired:
+        raise fired
+    raise fired from exc
 
 
 def _runtime_of(model) -> Optional[_Runtime]:

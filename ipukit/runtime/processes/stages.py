@@ -36,6 +36,10 @@ class CallContext:
         #: (stage, micro-batch) of the first iteration's forward after which ``idle`` runs
         self.idle_after: Any = None
         self.idle: Callable[[], None] = lambda: None
+        #: actions completed in this call (the watchdog reads it), and the error that
+        #: stops the call at the next action's end once the watchdog has fired
+        self.done = 0
+        self.stop: Any = None
 
     def forwarded(self, stage: int, micro_batch: int) -> None:
         """A forward ended: run ``idle`` if it was the one named by ``idle_after``."""
@@ -143,6 +147,9 @@ def timed_stage_class():
             start = ctx.start()
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             ctx.span(self.stage_index, "F", fwd_chunk_id, start)
+            ctx.done += 1
+            if ctx.stop is not None:
+                raise ctx.stop
             ctx.forwarded(self.stage_index, fwd_chunk_id)
             return out
 
@@ -151,14 +158,21 @@ def timed_stage_class():
             start = self._ipukit_ctx.start()
             out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                              last_backward=last_backward)
-            self._ipukit_ctx.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id,
-                                  start)
+            ctx = self._ipukit_ctx
+            ctx.span(self.stage_index, "B" if full_backward else "I", bwd_chunk_id, start)
+            ctx.done += 1
+            if ctx.stop is not None:
+                raise ctx.stop
             return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
             start = self._ipukit_ctx.start()
             out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-            self._ipukit_ctx.span(self.stage_index, "W", bwd_chunk_id, start)
+            ctx = self._ipukit_ctx
+            ctx.span(self.stage_index, "W", bwd_chunk_id, start)
+            ctx.done += 1
+            if ctx.stop is not None:
+                raise ctx.stop
             return out
 
     return TimedStage

@@ -1,0 +1,556 @@
+"""Measured memory per virtual IPU, during the real call.
+
+The modeled report (:mod:`ipukit.viz.memory`) multiplies one micro-batch's saved
+tensors by the micro-batches a schedule keeps in flight. This module measures
+instead: while a call runs, each worker thread (one per virtual IPU and replica)
+runs inside a :class:`torch.utils._python_dispatch.TorchDispatchMode` (thread-local,
+so each worker's mode sees exactly that worker's operations, forward and backward).
+Every storage an operation returns is registered once on the worker's IPU, with its
+size, and a weak reference whose callback records its release — whichever thread
+drops it (a later stage, the host's optimiser step). So a stage's bytes over time
+are really what is alive: stashed inputs and outputs, autograd's saved tensors,
+gradient accumulators, and the temporaries of each pass while they live.
+
+A storage another IPU allocated counts on this IPU too once an operation here
+returns it (a received activation's ``detach``), for as long as a tensor this IPU's
+operations returned on it lives: each IPU holds its own copy, as separate devices
+would. (A storage stays on its *allocating* IPU until it is freed: a gradient sent
+back counts on the sender until the receiver drops it.) The call's inputs are the
+host's: a micro-batch of them counts (its own bytes, not the whole batch's) only
+while autograd saves it for a backward (``torch.autograd.graph.saved_tensors_hooks``,
+thread-local too). Parameters, buffers and the optimiser state are registered at the
+start (the baseline), and the optimiser's new state after each step
+(:meth:`CallMemory.after_step`). A sharded call runs every IPU on one thread: one
+track (``ipu`` -1) for all of them.
+
+The tracker costs a Python call per operation (a call took 1.2–2.1× as long on the
+convnet, 2.1–2.3× on the ViT: ``benchmarks/memory.md``), so it is opt-in: inside
+``with track_memory():``, with ``IPUKIT_TRACK_MEMORY=1``, or for a model compiled with
+``Options.trackMemory(True)``, every call records it, and
+its timeline carries one :class:`~ipukit.timeline.events.MemoryTrack` per virtual
+IPU (``Timeline.memory``). On a GPU, ``torch.cuda.max_memory_allocated`` per device is
+recorded beside it (``allocator_peak``; untested here: no GPU). With stages as
+processes the tracker is not wired in yet.
+
+The first tracked call of a training model then measures each stage's passes alone
+(:func:`calibrate_memory`, :func:`stage_transients`: one micro-batch's ``F``, ``B``, ``I``,
+``W`` of that stage under a tracker of its own, after the call): what each pass needs beyond
+what it holds. :func:`ipukit.viz.memory.measured_memory` adds those transients to its
+stash model (``modeled_calibrated_bytes``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .._torch import dispatch_mode_class
+from ..timeline.events import MemoryTrack
+
+__all__ = ["CallMemory", "track_memory", "tracking", "coalesce", "calibrate_memory",
+           "stage_transients"]
+
+_switch = {"depth": 0}
+_switch_lock = threading.Lock()
+
+
+@contextmanager
+def track_memory(enabled: bool = True):
+    """Inside: every model call measures its memory per virtual IPU (``Timeline.memory``)."""
+    with _switch_lock:
+        _switch["depth"] += 1 if enabled else 0
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch["depth"] -= 1 if enabled else 0
+
+
+def tracking(plan=None) -> bool:
+    """Whether a call starting now measures its memory (:func:`track_memory`,
+    ``IPUKIT_TRACK_MEMORY``, or ``plan`` compiled with ``Options.trackMemory(True)``)."""
+    return (_switch["depth"] > 0 or bool(getattr(plan, "track_memory", False))
+            or os.environ.get("IPUKIT_TRACK_MEMORY", "") not in ("", "0"))
+
+
+def _storage(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return s if s.nbytes() > 0 else None
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (wrappers, meta)
+        return None
+
+
+class _Saved:
+    """A view of the call's input that autograd saved: counted while the graph keeps it."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _unpack(x):
+    return x.t if type(x) is _Saved else x
+
+
+class _Track:
+    """One virtual IPU's account: what it holds, and its level over time."""
+
+    __slots__ = ("ipu", "replica", "level", "held", "borrowed", "samples", "peak", "peak_time",
+                 "baseline", "parts")
+
+    def __init__(self, ipu: int, replica: int) -> None:
+        self.ipu, self.replica = ipu, replica
+        self.level = 0
+        self.held: Dict[int, int] = {}      # storage key -> bytes
+        self.borrowed: Dict[int, list] = {}  # another IPU's storage key -> weakrefs of aliases here
+        self.samples: List[Tuple[float, int]] = []
+        self.peak, self.peak_time, self.baseline = 0, 0.0, 0
+        self.parts: Dict[str, int] = {}
+
+
+class CallMemory:
+    """The memory accounts of one call: one per (replica, virtual IPU)."""
+
+    def __init__(self, plan, schedule, replicas: int, optimizer=None,
+                 t0: Optional[float] = None, inputs: Iterable = ()) -> None:
+        self.plan = plan
+        self.optimizer = optimizer
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.lock = threading.RLock()   # a release (a weakref callback) may come from GC inside
+        self.live: Dict[int, list] = {}      # storage key -> [weakref, bytes, [tracks]]
+        self.ignored = set()                 # the call's inputs: the host's
+        inputs = list(inputs)
+        self.first_row = inputs[0] if inputs else None   # for calibrate_memory after the call
+        for row in inputs:
+            for v in row:
+                if isinstance(v, torch.Tensor) and (s := _storage(v)) is not None:
+                    self.ignored.add(id(s))
+        ipus = sorted({st.ipu for st in plan.partition.stages})
+        self.tracks: Dict[Tuple[int, int], _Track] = {}
+        for r in range(replicas):
+            for ipu in ipus:
+                self.tracks[(r, ipu)] = _Track(ipu, r)
+        self.devices = {ipu: plan.devices.get(ipu, torch.device("cpu")) for ipu in ipus}
+        self.cuda = sorted({d.index or 0 for d in self.devices.values() if d.type == "cuda"})
+        for d in self.cuda:   # pragma: no cover - GPU only (untested: no GPU here)
+            torch.cuda.reset_peak_memory_stats(d)
+        with self.lock:
+            for (r, ipu), track in self.tracks.items():
+                self._start(track, [ipu])
+
+    # -- what each IPU holds before the call -----------------------------------------------
+    def _start(self, track: _Track, ipus) -> None:
+        self._baseline(track, ipus)
+        now = time.perf_counter() - self.t0
+        track.baseline = track.peak = track.level
+        track.peak_time = now
+        track.samples = [(now, track.level)]   # one sample for the whole baseline
+
+    def _stages_of(self, ipus) -> list:
+        return [st for st in self.plan.partition.stages if st.ipu in ipus]
+
+    def _baseline(self, track: _Track, ipus) -> None:
+        parts = track.parts
+        for st in self._stages_of(ipus):
+            module = self.plan.module_for(st.index, track.replica)
+            for kind, tensors in (("parameters", list(st.parameters)),
+                                  ("buffers", list(module.buffers()))):
+                for t in tensors:
+                    parts[kind] = parts.get(kind, 0) + self._hold(track, t)
+                    if kind == "parameters" and t.grad is not None:
+                        parts["gradients"] = parts.get("gradients", 0) + self._hold(track, t.grad)
+        parts["optimizer_state"] = self._optimizer_state(track, ipus)
+
+    def _optimizer_state(self, track: _Track, ipus) -> int:
+        opt = self.optimizer
+        if opt is None or self.plan.offload_optimizer:   # offloaded state lives on the host
+            return 0
+        added = 0
+        for st in self._stages_of(ipus):
+            for p in st.parameters:
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        added += self._hold(track, v)
+        return added
+
+    def after_step(self) -> None:
+        """The host stepped: the optimiser's new state (its first step) lives on each IPU."""
+        with self.lock:
+            for track in self.tracks.values():
+                added = self._optimizer_state(track, list(self.devices) if track.ipu < 0
+                                              else [track.ipu])
+                if added:
+                    track.parts["optimizer_state"] = track.parts.get("optimizer_state", 0) + added
+
+    # -- registration and release ----------------------------------------------------------
+    def _hold(self, track: _Track, t: torch.Tensor) -> int:
+        """Count ``t``'s storage on ``track`` until it is freed (lock held); bytes added."""
+        s = _storage(t)
+        if s is None:
+            return 0
+        key = id(s)
+        if key in track.held or key in self.ignored:
+            return 0
+        return self._count(track, key, s, s.nbytes())
+
+    def _count(self, track: _Track, key: int, obj, nbytes: int) -> int:
+        """Count ``nbytes`` on ``track`` until ``obj`` is freed (lock held)."""
+        entry = self.live.get(key)
+        if entry is None:
+            entry = [weakref.ref(obj, self._released(key)), nbytes, []]
+            self.live[key] = entry
+        nbytes = entry[1]
+        entry[2].append(track)
+        track.held[key] = nbytes
+        self._move(track, nbytes)
+        return nbytes
+
+    def _move(self, track: _Track, delta: int) -> None:
+        track.level += delta
+        now = time.perf_counter() - self.t0
+        track.samples.append((now, track.level))
+        if track.level > track.peak:
+            track.peak, track.peak_time = track.level, now
+
+    def _released(self, key: int):
+        def release(_ref) -> None:
+            with self.lock:
+                entry = self.live.pop(key, None)
+                if entry is None:
+                    return
+                for track in entry[2]:
+                    track.borrowed.pop(key, None)
+                    nbytes = track.held.pop(key, None)
+                    if nbytes is not None:
+                        self._move(track, -nbytes)
+        return release
+
+    def saw(self, track: _Track, out) -> None:
+        """An operation on ``track``'s thread returned ``out``: count its storages there.
+
+        A storage first counted on another IPU (a received activation) is *borrowed*: it
+        counts here while a tensor this IPU's operations returned on it lives, not until
+        the storage itself is freed (the producer may keep it much longer).
+        """
+        if isinstance(out, torch.Tensor):
+            s = _storage(out)
+            if s is None:
+                return
+            key = id(s)
+            if key in track.held and key not in track.borrowed:
+                return
+            with self.lock:
+                entry = self.live.get(key)
+                if entry is None or not entry[2]:
+                    self._hold(track, out)
+                elif track not in entry[2] or key in track.borrowed:
+                    self._borrow(track, key, out, entry)
+        elif isinstance(out, (tuple, list)):
+            for v in out:
+                self.saw(track, v)
+
+    def _borrow(self, track: _Track, key: int, t: torch.Tensor, entry: list) -> None:
+        """Count another IPU's storage here while ``t`` (or another alias from here) lives."""
+        borrowed = track.borrowed.get(key)
+        if borrowed is None:
+            borrowed = track.borrowed[key] = []
+            entry[2].append(track)
+            track.held[key] = entry[1]
+            self._move(track, entry[1])
+        borrowed.append(weakref.ref(t, self._returned(track, key)))
+
+    def _returned(self, track: _Track, key: int):
+        def returned(ref) -> None:
+            with self.lock:
+                borrowed = track.borrowed.get(key)
+                if borrowed is None or ref not in borrowed:
+                    return
+                borrowed.remove(ref)
+                if borrowed:
+                    return
+                del track.borrowed[key]
+                nbytes = track.held.pop(key, None)
+                if nbytes is not None:
+                    self._move(track, -nbytes)
+                entry = self.live.get(key)
+                if entry is not None and track in entry[2]:
+                    entry[2].remove(track)
+        return returned
+
+    @contextmanager
+    def thread(self, replica: int, ipu: Optional[int]):
+        """Count what this thread's operations allocate on ``(replica, ipu)``.
+
+        ``ipu`` None: one thread runs every virtual IPU (a sharded call inline), so
+        everything counts on one track for all of them (ipu -1).
+        """
+        key = (replica, -1 if ipu is None else ipu)
+        if key not in self.tracks:
+            with self.lock:
+                track = self.tracks[key] = _Track(key[1], replica)
+                self._start(track, list(self.devices) if ipu is None else [ipu])
+                if ipu is None:   # the per-IPU accounts are not used: one thread, one track
+                    for k in [k for k in self.tracks if k[0] == replica and k != key]:
+                        self._drop(self.tracks.pop(k))
+        track = self.tracks[key]
+
+        def pack(t):   # a host input autograd keeps (a stage's input micro-batch): its bytes
+            s = _storage(t)
+            if s is None or id(s) not in self.ignored:
+                # an alias, not t: a saved output returned as itself would hold its own grad_fn
+                # (a reference cycle: the graph would live until the garbage collector runs)
+                return t.detach()
+            held = _Saved(t)
+            with self.lock:
+                self._count(track, id(held), held, t.numel() * t.element_size())
+            return held
+
+        with _mode_class()(self, track), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+
+    def _drop(self, track: _Track) -> None:
+        for key in list(track.held):
+            entry = self.live.get(key)
+            if entry is not None and track in entry[2]:
+                entry[2].remove(track)
+
+    # -- the result ------------------------------------------------------------------------
+    def finish(self, calibrate: bool = True) -> List[MemoryTrack]:
+        """The tracks, as the timeline keeps them; storages still alive stay counted as ``end``.
+
+        ``calibrate``: a training model's first tracked call then measures each stage's pass
+        transients in isolation (:func:`calibrate_memory`), after the call, once.
+        """
+        allocator = {}
+        for d in self.cuda:   # pragma: no cover - GPU only (untested: no GPU here)
+            allocator[d] = int(torch.cuda.max_memory_allocated(d))
+        out = []
+        with self.lock:
+            for (r, ipu), tr in sorted(self.tracks.items()):
+                dev = self.devices.get(ipu)
+                out.append(MemoryTrack(
+                    ipu, r, coalesce(tr.samples, tr.peak_time), tr.baseline, tr.peak,
+                    tr.peak_time, tr.level, dict(tr.parts),
+                    allocator.get(dev.index or 0) if dev is not None and dev.type == "cuda"
+                    else None))
+            self.live.clear()   # stop listening: later releases are not this call's
+            for tr in self.tracks.values():
+                tr.borrowed.clear()
+        if calibrate and self.first_row is not None and self.plan.training:
+            from ..viz.memory import known_transients
+
+            if known_transients(self.plan) is None:   # once per compiled model
+                row = [v.clone() if isinstance(v, torch.Tensor) else v for v in self.first_row]
+                try:   # own copies: a model that changes its inputs must not change the call's
+                    calibrate_memory(self.plan, row)
+                except Exception as exc:   # the call itself succeeded: keep its result
+                    logging.getLogger("ipukit").warning(
+                        "ipukit: measuring each stage's passes alone failed (%s: %s); "
+                        "measured_memory() has no calibrated model for this model.",
+                        type(exc).__name__, exc)
+        return out
+
+
+def coalesce(samples: List[Tuple[float, int]], keep: Optional[float] = None,
+             resolution: float = 20e-6, most: int = 4000) -> List[Tuple[float, int]]:
+    """Fewer (t, bytes) samples, same shape: per time bucket its highest and its last level.
+
+    The bucket is ``resolution`` seconds, widened so that at most about ``most`` samples
+    remain; the sample at ``keep`` (the peak) is always kept.
+    """
+    if len(samples) <= 2:
+        return list(samples)
+    span = samples[-1][0] - samples[0][0]
+    width = max(resolution, span / max(1, most // 2))
+    out: List[Tuple[float, int]] = [samples[0]]
+    bucket: List[Tuple[float, int]] = []
+    edge = samples[0][0] + width
+
+    def flush() -> None:
+        if not bucket:
+            return
+        top = max(bucket, key=lambda s: s[1])
+        peak = [s for s in bucket if keep is not None and s[0] == keep]
+        chosen = sorted({top, bucket[-1], *peak})
+        out.extend(chosen)
+        bucket.clear()
+
+    for s in samples[1:]:
+        if s[0] >= edge:
+            flush()
+            edge = s[0] + width
+        bucket.append(s)
+    flush()
+    return out
+
+
+_MODE = {}
+
+
+def _mode_class():
+    """The dispatch mode, built once (its base class is torch's private one)."""
+    cls = _MODE.get("cls")
+    if cls is None:
+        base = dispatch_mode_class()
+
+        class _Counting(base):
+            def __init__(self, memory: CallMemory, track: _Track) -> None:
+                super().__init__()
+                self.memory, self.track = memory, track
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                self.memory.saw(self.track, out)
+                return out
+
+        cls = _MODE["cls"] = _Counting
+    return cls
+
+
+# -- each stage's passes in isolation: the memory model's transients ------------------------
+
+class _Mailbox(dict):
+    """The calibration's mailboxes (one thread: a dict)."""
+
+    aborted = False
+    put, take = dict.__setitem__, dict.pop
+
+
+def _synthetic_row(plan) -> list:
+    """One micro-batch of inputs with the compiled shapes and dtypes (values: None)."""
+    row: list = []
+    for entry in plan.signature:
+        if entry[0] != "tensor":
+            row.append(None)
+            continue
+        _, shape, dtype = entry
+        row.append(torch.randn(shape, dtype=dtype) if dtype.is_floating_point
+                   else torch.zeros(shape, dtype=dtype))
+    return row
+
+
+def stage_transients(plan, row: Optional[list] = None) -> List[Dict[str, int]]:
+    """Per stage, the bytes each pass of one micro-batch needs beyond what it holds, measured
+    on that stage alone (the executor's own forward, backward and split-backward code).
+
+    ``row``: one micro-batch of the model's flat inputs (default synthetic ones). Each
+    stage's inputs come from a forward of the stages before it (outside the tracker); the
+    gradients it would receive are ones, made outside too (they count on their sender);
+    its gradient accumulators exist already (a later micro-batch's backward). Under a
+    :class:`CallMemory` of its own, bytes relative to the level before the forward:
+    ``held`` (after ``F``: the stash of one micro-batch as the tracker counts it),
+    ``forward`` (``F``'s peak − ``held``), ``backward`` (``B``'s peak − ``held``),
+    ``input_grad`` (``I``'s peak − ``held``), ``between`` (what ``I`` leaves for ``W``
+    beyond ``held``: captured gradients, a recomputed graph), ``weight_grad`` (``W``'s
+    peak − what ``I`` left), ``sent`` (the input gradients a backward sends to the stages
+    before it: they count here until the receiver drops them). Gradients sent count in the
+    pass's peak, then are dropped. Weights, buffers and random state are left as they were.
+    """
+    from ..core.ops import running_on_ipu
+    from ..schedules.ir import Action, BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
+    from ..viz.memory import unchanged_state
+    from .actions import ActionRunner
+
+    stages = plan.partition.stages
+    box = _Mailbox()
+    accumulators = {(0, s): [torch.zeros_like(p) for p in plan.trainable[s]]
+                    for s in range(len(stages))}
+    result: List[Dict[str, int]] = []
+    with unchanged_state(st.module for st in stages), torch.enable_grad(), running_on_ipu():
+        row = _synthetic_row(plan) if row is None else list(row)   # (the random state kept)
+        runner = ActionRunner(plan, 1, [row], 1, box, [[None] * len(plan.partition.outputs)],
+                              accumulators, 1.0, False)
+        received: Dict[int, dict] = {}   # stage -> its input mailboxes, from a plain forward
+        returned: Dict[int, dict] = {}   # stage -> the gradients its consumers send back
+        for st in stages:
+            received[st.index] = {k: v for k, v in box.items() if k[0] == "A" and k[1] == st.index}
+            stash: dict = {}
+            runner.forward(Action(FORWARD, st.index, 0), 0, stash)
+            outs = stash[(st.index, 0, 0)][1]
+            returned[st.index] = {("G", st.index, c, pos, 0, 0, 0): torch.ones_like(outs[item])
+                                  for c, pos, item in plan.consumers[st.index]
+                                  if isinstance(outs[item], torch.Tensor)
+                                  and outs[item].requires_grad}
+        box.clear()
+        for st in stages:
+            s, entry = st.index, {"stage": st.index, "ipu": st.ipu}
+            for split in (False, True):
+                entry.update(_one_stage(plan, runner, box, s, received[s], returned[s], split,
+                                        row, (Action(FORWARD, s, 0), Action(BACKWARD, s, 0),
+                                              Action(INPUT_GRAD, s, 0), Action(WEIGHT_GRAD, s, 0))))
+            result.append(entry)
+    return result
+
+
+def _one_stage(plan, runner, box, s: int, received: dict, returned: dict, split: bool, row,
+               actions) -> Dict[str, int]:
+    """One micro-batch through stage ``s`` alone, tracked: ``F`` then ``B`` (or ``I``, ``W``)."""
+    f, b, i, w = actions
+    ipu = plan.partition.stages[s].ipu
+    memory = CallMemory(plan, None, 1, None, inputs=[row])
+    track = memory.tracks[(0, ipu)]
+    box.clear()
+    box.update(received)
+    stash: dict = {}
+    out: Dict[str, int] = {}
+    try:
+        with memory.thread(0, ipu):
+            with memory.lock:   # the accumulators exist already (a later micro-batch's B)
+                for acc in runner.accumulators[(0, s)]:
+                    memory._hold(track, acc)
+            base = track.level
+            runner.forward(f, 0, stash)
+            held = track.level - base
+            out["held"] = held
+            out["forward"] = track.peak - base - held
+            box.clear()           # published to the consumers: the same tensors as the stash
+            box.update(returned)  # what the consumers send back (made, and counted, there)
+            track.peak = track.level
+            if not split:
+                runner.backward(b, 0, stash)
+                out["backward"] = track.peak - base - held
+                out["sent"] = _sent_bytes(box, s)
+            else:
+                runner.input_grad(i, 0, stash)
+                out["input_grad"] = track.peak - base - held
+                box.clear()   # the input gradients sent: the previous stage takes them
+                left = track.level - base
+                out["between"] = left - held
+                track.peak = track.level
+                runner.weight_grad(w, 0, stash)
+                out["weight_grad"] = track.peak - base - left
+            box.clear()
+            stash.clear()
+    finally:
+        memory.finish(calibrate=False)
+    return out
+
+
+def _sent_bytes(box: dict, s: int) -> int:
+    """Bytes of the gradients stage ``s`` put in its producers' mailboxes (one per storage)."""
+    seen: Dict[int, int] = {}
+    for k, v in box.items():
+        if k[0] == "G" and k[2] == s and isinstance(v, torch.Tensor) and (st := _storage(v)):
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def calibrate_memory(model, row: Optional[list] = None) -> List[Dict[str, int]]:
+    """Measure each stage's pass transients in isolation (:func:`stage_transients`) and keep
+    them with the compiled model, where :func:`ipukit.viz.memory.measured_memory` adds them to
+    its model of the peak (``modeled_calibrated_bytes``). ``model``: a compiled ipukit model or
+    its ``Program``. A tracked call does this once by itself, after the call."""
+    from ..viz.memory import remember_transients
+
+    plan = getattr(model, "program", model)
+    found = stage_transients(plan, row)
+    remember_transients(plan, found)
+    return found
