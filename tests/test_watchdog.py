@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import ipukit
+from ipukit.examples.debugging import same_state, state_of
 from ipukit.core.errors import OptionsError, StallError
 from ipukit.schedules.ir import Schedule, ScheduleError
 
@@ -73,17 +74,8 @@ class GateNet(nn.Module):
             return out, nn.functional.cross_entropy(out, y)
 
 
-def _state(model, optimizer):
-    """Weights, buffers and optimiser state, copied."""
-    return copy.deepcopy((model.state_dict(), optimizer.state_dict()))
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+_state = state_of
+_same = same_state
 
 
 def _assert_same_state(model, optimizer, saved):
