@@ -647,19 +647,29 @@ def _outputs(program: Program, rows: List[list], micro: List[list]):
 
 
 def _call_timeline(wrapper: "PoplarExecutor", runner, flat, t_call, t_run, t_gather):
-    """The measured timeline of a call: the workers' spans plus the host's before and after."""
+    """The measured timeline of a call: the workers' spans plus the host's before and after.
+
+    Returns a function that builds it (``_keep_timeline`` calls it when the timeline is
+    first read, or at once when it is written out): a call pays for its spans, not for
+    turning them into a sorted :class:`Timeline` nobody reads."""
     samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
-    tl = runner.timeline(samples)
+    source = runner.timeline_source(samples)
     now = time.perf_counter()
     program = wrapper.program
-    tl.events.insert(0, Event(-1, "host", -1, 0.0, t_run - t_call, -1, 0, 0, runner.call_index))
-    tl.events.append(Event(-1, "host", -1, t_gather - t_call, now - t_call, -1, 0,
-                           program.batching.device_iterations - 1, runner.call_index))
-    tl.meta["model"] = wrapper.options.model_name or ("training" if wrapper.training
-                                                      else "inference")
-    tl.meta["stage_ipus"] = list(program.schedule.stage_ipus)
-    tl.meta["blocks"] = [st.blocks for st in program.partition.stages]
-    return tl
+    call, last = runner.call_index, program.batching.device_iterations - 1
+    meta = {"model": wrapper.options.model_name or ("training" if wrapper.training
+                                                    else "inference"),
+            "stage_ipus": list(program.schedule.stage_ipus),
+            "blocks": [st.blocks for st in program.partition.stages]}
+
+    def build() -> Timeline:
+        tl = source()
+        tl.events.insert(0, Event(-1, "host", -1, 0.0, t_run - t_call, -1, 0, 0, call))
+        tl.events.append(Event(-1, "host", -1, t_gather - t_call, now - t_call, -1, 0, last,
+                               call))
+        tl.meta.update(meta)
+        return tl
+    return build
 
 
 def _warn_other_loader(flat, model: "PoplarExecutor") -> None:

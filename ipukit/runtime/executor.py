@@ -18,7 +18,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -99,19 +99,25 @@ class CallRunner:
         self.memory = (memory_track.CallMemory(plan, schedule, replicas, optimizer, self.t0,
                                                micro_inputs) if memory_track.tracking(plan) else None)
         self.memory_tracks: list = []
+        self.chain: Optional[fused.Chain] = None  # a sharded call's micro-batches (_run_inline)
 
     def step(self, iteration: int) -> None:
         """Combine accumulated gradients (Mean or Sum) and step the optimiser once."""
         plan = self.plan
         t_start = time.perf_counter()
-        if self.actions.fused is not None:
-            self.actions.fused.collect(self.accumulators)
-        grads = update.reduce_gradients(self.accumulators, plan.trainable, self.replicas)
+        one_pass = self.actions.fused
+        in_params = one_pass is not None and one_pass.grads_in_params  # summed in p.grad already
+        grads = None if in_params else update.reduce_gradients(self.accumulators, plan.trainable,
+                                                               self.replicas)
         scale = update.gradient_scale(plan.reduction, self.schedule.micro_batches * self.replicas,
                                       self.loss_scaling)
         with self.guard.deferred():  # Ctrl-C waits until the weights are consistent again
-            t_opt, t_end, transfers = update.step(self.optimizer, grads, scale,
-                                                  plan.offload_optimizer)
+            if in_params:
+                t_opt, t_end, transfers = update.step_in_place(
+                    self.optimizer, one_pass.unique_params, scale, plan.offload_optimizer)
+            else:
+                t_opt, t_end, transfers = update.step(self.optimizer, grads, scale,
+                                                      plan.offload_optimizer)
             if self.anchors is not None:
                 self.anchors.step_done(iteration)
             self.steps_done += 1
@@ -164,15 +170,14 @@ class CallRunner:
             torch.set_num_threads(threads)
         run, stash = self.actions.run, {}
         # a sharded call runs each micro-batch as a plain loop would (see fused.Chain)
-        chain = (fused.Chain(self.actions)
-                 if fused.Chain.fits(self.actions, self.schedule, self.memory) else None)
+        chain = self.chain = (fused.Chain(self.actions) if fused.Chain.fits(
+            self.actions, self.schedule, self.memory) else None)
         try:
-            with self._grad_mode(), self._memory(0, self.schedule.lane_ipus), \
-                    chain if chain is not None else contextlib.nullcontext():
+            with self._grad_mode(), self._memory(0, self.schedule.lane_ipus):
                 for it in range(self._iterations()):
                     for lane in self.schedule.iteration_lanes(it):
                         if chain is not None:
-                            chain.run(lane, events, self.t0, self.call_index)
+                            chain.run(lane)
                         else:
                             run(lane, 0, stash, events, self.t0, self.call_index)
                     if self.plan.training:
@@ -258,7 +263,7 @@ class CallRunner:
 
     def _stalled(self, pool: Pool, iteration: int) -> StallError:
         """The error of a call whose workers stopped completing actions: what each waits for."""
-        schedule, plan = self.schedule, self.plan
+        schedule = self.schedule
         lanes_n = len(schedule.lanes)
         found = stall.frames()
         lanes = []
@@ -311,11 +316,22 @@ class CallRunner:
             return contextlib.nullcontext()
         return self.memory.thread(replica, lane_ipus[0] if len(lane_ipus) == 1 else None)
 
-    def timeline(self, samples: int) -> Timeline:
-        self.actions.clock.resolve(self.t0)
-        events = sorted((e for lane in self.events for e in lane), key=lambda e: (e.start, e.ipu))
+    def timeline_source(self, samples: int) -> Callable[[], Timeline]:
+        """A function building the call's measured :class:`Timeline` (when it is first read:
+        the spans are kept as measured, and nothing else of the call is held)."""
+        lanes, clock, t0, call = self.events, self.actions.clock, self.t0, self.call_index
+        spans = self.chain.spans() if self.chain is not None else None
         meta = dict(self.schedule.describe())
         meta.update({"schedule": self.schedule.kind, "replicas": self.replicas,
-                     "samples": samples, "training": self.plan.training,
-                     "call": self.call_index})
-        return Timeline(events, modeled=False, meta=meta, memory=list(self.memory_tracks))
+                     "samples": samples, "training": self.plan.training, "call": call})
+        memory = list(self.memory_tracks)
+
+        def build() -> Timeline:
+            clock.resolve(t0)
+            every = lanes + ([fused.chain_events(*spans, t0, call)] if spans else [])
+            events = sorted((e for lane in every for e in lane), key=lambda e: (e.start, e.ipu))
+            return Timeline(events, modeled=False, meta=meta, memory=memory)
+        return build
+
+    def timeline(self, samples: int) -> Timeline:
+        return self.timeline_source(samples)()

@@ -38,6 +38,8 @@ class FusedBackward:
         # so half-precision gradients still accumulate in float32.
         self.grads_in_params = (runner.replicas == 1 and runner.anchors is None and
                                 all(p.dtype == torch.float32 for p in self.params))
+        #: each parameter once (stages may share one): what the step scales and steps in place
+        self.unique_params = list({id(p): p for p in self.params}.values())
 
     @staticmethod
     def timer(stash: dict, a: Action):
@@ -85,15 +87,6 @@ class FusedBackward:
             for p in self.params:
                 p.grad = None
 
-    def collect(self, accumulators: dict) -> None:
-        """Move gradients accumulated in ``p.grad`` to the call's accumulators."""
-        if not self.grads_in_params:
-            return
-        for s, params in enumerate(self.runner.plan.trainable):
-            acc = accumulators[(0, s)]
-            for i, p in enumerate(params):
-                if p.grad is not None:
-                    acc[i], p.grad = p.grad, None
 
 
 class Chain:
@@ -103,41 +96,37 @@ class Chain:
     stages that take it (no mailboxes, no stash), then one ``backward()`` from the loss
     (scaled by the loss scaling) that adds the micro-batch's gradients into ``p.grad``. So
     the weights after the call are those of the action-by-action path (the same
-    operations, the same accumulation), and the work around each pass is what a plain loop
-    pays: no hook is registered per micro-batch. ``backward`` goes without ``inputs=``
-    (which costs autograd a walk of the graph every micro-batch) when the parameters are
-    the only tensors in the graph that want a gradient; otherwise it names them.
+    operations, the same accumulation), and the work around each pass is about what a plain
+    loop pays. ``backward`` goes without ``inputs=`` (which costs autograd a walk of the
+    graph every micro-batch) when the parameters are the only tensors in the graph that
+    want a gradient; otherwise it names them.
 
-    The timeline is measured as before: one clock reading between consecutive forwards,
-    and each stage's share of the backward from its successor's end to its own. A stage's
-    backward ends once its last parameter gradient is added (a hook on each of its
-    parameters, registered once per call: autograd adds a gradient as soon as it is
-    computed, before anything of earlier stages runs); a stage without parameters of its
-    own (or sharing one with another stage) is timed by a gradient hook on its input.
+    The timeline: each forward between two clock readings (one per pass), and each
+    micro-batch's whole backward between two. Where that backward's share of each stage
+    lies needs a gradient hook at each stage boundary, and a Python call in the middle of
+    autograd's pass costs several microseconds (the pass's own work slows too), so only
+    one micro-batch in :attr:`SAMPLE` of a lane is hooked (the second, then every
+    :attr:`SAMPLE`-th): it gets its stages' measured spans, and every other micro-batch
+    splits its measured backward in the proportions the hooked ones measured, on average.
     Counters: one progress increment per action, as the action-by-action path does.
     """
+
+    SAMPLE = 16  #: hook the stage boundaries of every SAMPLE-th micro-batch of a lane
 
     def __init__(self, runner) -> None:
         self.runner = runner
         plan = runner.plan
         self.n = n = plan.partition.num_stages
-        self.stages = []
         self.params = runner.fused.params
         self.named_inputs = not self._only_parameters_want_grad(plan, runner.micro_inputs)
         self.record = plan.record
-        self.marks: List = [None] * n
-        owners: dict = {}
-        for s in range(n):
-            for p in plan.trainable[s]:
-                owners.setdefault(id(p), set()).add(s)
-        #: per stage: time its backward by its parameters (True) or by a hook on its input
-        self.by_params = [bool(plan.trainable[s]) and
-                          all(len(owners[id(p)]) == 1 for p in plan.trainable[s])
-                          for s in range(n)]
-        self.handles: list = []
+        self.marks: List = [None] * n  # per stage: when the gradient reached its input
+        #: per micro-batch: (its first action, forward clock readings, backward end, the
+        #: stages' marks when it was hooked, else None)
+        self.records: list = []
         first_row = runner.micro_inputs[0] if runner.micro_inputs else []
         #: per stage: (its forward, where each argument comes from, tuple output, the module
-        #: when it recomputes, its outputs the host keeps, whether to hook its input)
+        #: when it recomputes, its outputs the host keeps)
         self.stages = []
         for st in plan.partition.stages:
             device, sources = plan.device_of(st.index), []
@@ -154,8 +143,7 @@ class Chain:
             module = plan.module_for(st.index, 0)
             self.stages.append((direct_forward(module), sources, st.tuple_output,
                                 module if st.recompute and plan.training else None,
-                                plan.host_outputs[st.index],
-                                self.record and st.index > 0 and not self.by_params[st.index]))
+                                plan.host_outputs[st.index]))
 
     @staticmethod
     def fits(runner, schedule, memory) -> bool:
@@ -171,10 +159,9 @@ class Chain:
     def _only_parameters_want_grad(plan, micro_inputs) -> bool:
         """No tensor other than the stages' trainable parameters is a leaf wanting a gradient:
         no input, constant argument, buffer or parameter left out of ``plan.trainable``."""
-        for row in micro_inputs:
-            for v in row:
-                if isinstance(v, torch.Tensor) and v.requires_grad:
-                    return False
+        for v in micro_inputs[0] if micro_inputs else ():  # every row: pieces of the same inputs
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                return False
         wanted = {id(p) for params in plan.trainable for p in params}
         for st in plan.partition.stages:
             for ref in st.args:
@@ -188,31 +175,17 @@ class Chain:
                     return False
         return True
 
-    def __enter__(self) -> "Chain":
-        if self.record:
-            plan, marks, clock = self.runner.plan, self.marks, time.perf_counter
-            for s in range(1, self.n):
-                if self.by_params[s]:
-                    def mark(_p, s=s) -> None:
-                        marks[s] = clock()
-                    self.handles += [p.register_post_accumulate_grad_hook(mark)
-                                     for p in plan.trainable[s]]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def _tensor_mark(self, s: int):
+    def _mark(self, s: int):
+        """A hook noting when the gradient reaching stage ``s``'s input is ready (s is done)."""
         marks, clock = self.marks, time.perf_counter
 
         def hook(_grad) -> None:
             marks[s] = clock()
         return hook
 
-    def run(self, actions, events: List[Event], t0: float, call_index: int) -> None:
-        """Run a chained lane's actions (see :meth:`fits`); record their spans in ``events``."""
+    def run(self, actions) -> None:
+        """Run a chained lane's actions (see :meth:`fits`), noting what :func:`chain_events`
+        needs."""
         runner = self.runner
         plan = runner.plan
         n, stages, record, marks = self.n, self.stages, self.record, self.marks
@@ -225,23 +198,27 @@ class Chain:
         named = params if self.named_inputs else None
         backward, clock = torch.autograd.backward, time.perf_counter
         outs_of: list = [None] * n
-        times = [0.0] * (n + 1)
+        records, every = self.records, 2 * n * self.SAMPLE
+        # the hooked ones: the second of every SAMPLE (the first follows the step: colder)
+        offset = 2 * n if len(actions) > 2 * n else 0
         for first in range(0, len(actions), 2 * n):
             a = actions[first]
             k = a.iteration * micro_batches + a.micro_batch  # its row: one replica
             inputs = micro_inputs[k]
+            hooked = record and first % every == offset
             if record:
-                times[0] = clock()
+                times = [clock()]
             for s in range(n):
-                call, sources, tuple_output, recompute, host, hook = stages[s]
+                call, sources, tuple_output, recompute, host = stages[s]
                 try:
                     args = []
+                    hook = hooked and s
                     for where, what in sources:
                         if where == 1:
                             v = outs_of[what[0]][what[1]]
                             if hook and isinstance(v, torch.Tensor) and v.requires_grad:
-                                hook = False  # the first: when its gradient is ready, s is done
-                                v.register_hook(self._tensor_mark(s))
+                                hook = False  # the first one
+                                v.register_hook(self._mark(s))
                         elif where == 0:
                             v = inputs[what]
                         elif where == 3:
@@ -262,7 +239,7 @@ class Chain:
                         row[j] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
                 progress[0] += 1
                 if record:
-                    times[s + 1] = clock()
+                    times.append(clock())
             # the micro-batch's backward: every stage's, in one pass
             try:
                 loss = loss_of(outs_of[loss_stage])
@@ -277,25 +254,57 @@ class Chain:
             outs_of = [None] * n  # the graph goes now, as the loop's would
             progress[0] += n
             if record:
-                self._record(events, a, times, clock(), t0, call_index)
+                records.append((a, times, clock(), marks[1:] if hooked else None))
+                if hooked:
+                    marks[1:] = [None] * (n - 1)
 
-    def _record(self, events: List[Event], a: Action, times: list, end: float, t0: float,
-                call_index: int) -> None:
-        """One micro-batch's spans: forwards between clock readings, the backward's shares
-        between the stages' marks (each taken and cleared)."""
-        n, marks, ipus = self.n, self.marks, self.runner.plan.stage_ipus
+    def spans(self):
+        """What :func:`chain_events` turns into the call's events (nothing else of the call)."""
+        return self.records, self.runner.plan.stage_ipus
+
+
+def chain_events(records: list, ipus: List[int], t0: float, call_index: int) -> List[Event]:
+    """A :class:`Chain`'s micro-batches as events: each forward between consecutive clock
+    readings; each stage's share of a hooked micro-batch's backward from its successor's
+    end to its own, and of every other micro-batch's backward in the proportions the hooked
+    ones measured (on average)."""
+    n, events = len(ipus), []
+    measured, sums = {}, [0.0] * n
+    for i, (_, times, end, marks) in enumerate(records):
+        if marks is None:
+            continue
+        start, ends = times[n], []
+        began = start
+        for s in reversed(range(n)):  # stage s: from its successor's end to its own
+            done = marks[s - 1] if s else end
+            began = end if done is None else max(began, done)
+            ends.append(began)
+        ends.reverse()
+        measured[i] = ends
+        total = end - start
+        if total > 0:
+            for s in range(n):
+                sums[s] += (ends[s] - (ends[s + 1] if s < n - 1 else start)) / total
+    weight = sum(sums)
+    shares = [x / weight for x in sums] if weight > 0 else [1.0 / n] * n
+    for i, (a, times, end, _) in enumerate(records):
         mb, it = a.micro_batch, a.iteration
         for s in range(n):
-            events.append(Event(s, "forward", mb, times[s] - t0, times[s + 1] - t0, ipus[s], 0,
-                                it, call_index))
-        began = times[n]
+            events.append(Event(s, "forward", mb, times[s] - t0, times[s + 1] - t0, ipus[s],
+                                0, it, call_index))
+        start = times[n]
+        ends = measured.get(i)
+        if ends is None:
+            ends, began = [end] * n, start
+            for s in range(n - 1, 0, -1):
+                began += shares[s] * (end - start)
+                ends[s] = began
+        began = start
         for s in reversed(range(n)):
-            done = marks[s] if s else end
-            marks[s] = None
-            done = end if done is None else max(began, done)
-            events.append(Event(s, "backward", mb, began - t0, done - t0, ipus[s], 0, it,
+            events.append(Event(s, "backward", mb, began - t0, ends[s] - t0, ipus[s], 0, it,
                                 call_index))
-            began = done
+            began = ends[s]
+    return events
 
 
 def _note(exc: BaseException, a: Action, ipus, replica: int) -> None:

@@ -102,19 +102,29 @@ def move_optimizer_state(optimizer, to_host: bool) -> List[Tuple[float, float]]:
 def step(optimizer, grads: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]], scale: float,
          offload: bool) -> Tuple[float, float, List[Tuple[float, float]]]:
     """Hand the gradients to the parameters and step; returns (start, end, transfer spans)."""
-    transfers: List[Tuple[float, float]] = []
     params = [p for p, _ in grads.values()]
     with float32_update(params):
         for p, g in grads.values():
-            g = g.float() if g.dtype in LOW_PRECISION else g  # unscale in float32
-            p.grad = g.mul_(scale) if scale != 1.0 else g
-        if offload:
-            transfers += move_optimizer_state(optimizer, to_host=False)
-        t_opt = time.perf_counter()
-        optimizer.step()
-        t_end = time.perf_counter()
-        for p in params:
-            p.grad = None
+            p.grad = g.float() if g.dtype in LOW_PRECISION else g  # unscale in float32
+        return step_in_place(optimizer, params, scale, offload)
+
+
+def step_in_place(optimizer, params: Sequence[torch.nn.Parameter], scale: float,
+                  offload: bool) -> Tuple[float, float, List[Tuple[float, float]]]:
+    """:func:`step` for gradients already in the (float32) parameters' ``.grad``: scaled
+    there, stepped, then cleared (a parameter without one is left out)."""
+    transfers: List[Tuple[float, float]] = []
+    stepped = [p for p in params if p.grad is not None]
+    if scale != 1.0:
+        for p in stepped:
+            p.grad.mul_(scale)
+    if offload:
+        transfers += move_optimizer_state(optimizer, to_host=False)
+    t_opt = time.perf_counter()
+    optimizer.step()
+    t_end = time.perf_counter()
+    for p in stepped:
+        p.grad = None
     if offload:
         transfers += move_optimizer_state(optimizer, to_host=True)
     return t_opt, t_end, transfers
