@@ -21,6 +21,7 @@ from .core.enums import AutoStage
 from .core.errors import BlockError
 from .viz.memory import unchanged_state
 from .core.strategies import PipelinedExecution, ShardedExecution, Stage
+from .runtime.fused import action_by_action
 from .timeline.events import Timeline
 
 
@@ -234,7 +235,8 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
     options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),
                                               sharded=True))
     probe = (lambda compiled: _split_probe(compiled, args, repeats)) if split else None
-    timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe)
+    with action_by_action():   # each pass timed alone, with a pipelined pass's bookkeeping
+        timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe)
     halves = halves[0] if halves else None
     costs = timeline.stage_costs(fast_median)
     per = {k: {b: 0.0 for b in block_order} for k in ("F", "B", "I", "W")}

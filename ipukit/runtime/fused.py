@@ -13,7 +13,9 @@ into ``p.grad``, as a plain loop's ``loss.backward()`` does.
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from typing import List, Tuple
 
 import torch
@@ -89,6 +91,22 @@ class FusedBackward:
 
 
 
+_ACTION_BY_ACTION = threading.local()
+
+
+@contextmanager
+def action_by_action():
+    """Calls on this thread run action by action, never as a :class:`Chain`: each pass
+    timed on its own with the bookkeeping a pipelined call's passes pay (what
+    :func:`ipukit.calibrate` measures)."""
+    previous = getattr(_ACTION_BY_ACTION, "on", False)
+    _ACTION_BY_ACTION.on = True
+    try:
+        yield
+    finally:
+        _ACTION_BY_ACTION.on = previous
+
+
 class Chain:
     """A chained lane (:attr:`~ipukit.schedules.ir.Schedule.chained`) run as a plain loop runs it.
 
@@ -152,6 +170,7 @@ class Chain:
         measures the action-by-action path) and no CUDA clock to read."""
         fused, plan = runner.fused, runner.plan
         return (fused is not None and fused.grads_in_params and schedule.chained
+                and not getattr(_ACTION_BY_ACTION, "on", False)
                 and memory is None and plan.training
                 and not (plan.record and any(d.type == "cuda" for d in plan.devices.values())))
 
