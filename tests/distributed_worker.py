@@ -4,7 +4,8 @@ Every process runs the distributed model and, locally, the same model on
 threads (``Options.Distributed.disable()``); each writes what it found to
 ``$IPUKIT_TEST_OUT/rank<r>.json`` for the test to assert on.
 Scenarios: ``pp2`` (2 processes, also the modern schedules against threads and the plain
-PyTorch loop; ends with rank 1 raising), ``dp2pp2`` (4 processes).
+PyTorch loop; ends with rank 1 raising), ``dp2pp2`` (4 processes), ``memory`` (2 processes:
+measured memory per virtual IPU, against threads).
 """
 import copy
 import json
@@ -26,14 +27,14 @@ WORLD = int(os.environ["WORLD_SIZE"])
 class SkipNet(torch.nn.Module):
     """Stage 0 output used by stage 1 and (a skip) by the last stage; labels in the last block."""
 
-    def __init__(self, stages=2, batchnorm=False, ipus=None):
+    def __init__(self, stages=2, batchnorm=False, ipus=None, width=8, features=6):
         super().__init__()
         self.stages = stages
         self.ipus = list(ipus) if ipus else default_placement(stages)
-        self.inp = torch.nn.Linear(6, 8)
-        self.bn = torch.nn.BatchNorm1d(8) if batchnorm else torch.nn.Identity()
-        self.mid = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(stages - 1))
-        self.head = torch.nn.Linear(8, 3)
+        self.inp = torch.nn.Linear(features, width)
+        self.bn = torch.nn.BatchNorm1d(width) if batchnorm else torch.nn.Identity()
+        self.mid = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(stages - 1))
+        self.head = torch.nn.Linear(width, 3)
 
     def forward(self, x, labels):
         with poptorch.Block("b0", ipu_id=self.ipus[0]):
@@ -68,10 +69,10 @@ def options(mode, distributed=True, di=2, ga=4, replicas=1, schedule="1F1B", sta
     return o
 
 
-def data(calls, replicas, di=2, ga=4, micro=2, seed=0):
+def data(calls, replicas, di=2, ga=4, micro=2, seed=0, features=6):
     g = torch.Generator().manual_seed(seed)
     n = micro * di * ga * replicas
-    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return [(torch.randn(n, features, generator=g), torch.randint(0, 3, (n,), generator=g))
             for _ in range(calls)]
 
 
@@ -239,6 +240,50 @@ def two_producers():
     return {"outputs": max(diffs), "shapes": shapes}
 
 
+def measured_memory(micro=16, width=64, features=64):
+    """Measured memory (``track_memory()``) of one training call as 2 processes and on threads,
+    after an untracked one (compile, optimiser state, torch's receive buffers): the tracks on
+    this process's timeline (process 0: every process's, gathered), the threads' tracks, per
+    virtual IPU its stages' weight bytes; then a call only process 1 tracks."""
+    torch.manual_seed(4)
+    net = SkipNet(2, width=width, features=features)
+    ref = copy.deepcopy(net)
+    x, y = data(1, 1, micro=micro, features=features)[0]
+    models = [poptorch.trainingModel(n, options(poptorch.OutputMode.Final, distributed),
+                                     optimizer=torch.optim.SGD(n.parameters(), lr=0.1,
+                                                               momentum=0.9))
+              for n, distributed in ((net, True), (ref, False))]
+    for m in models:
+        m(x, y)
+    untracked = [len(m.getTimeline().memory) for m in models]
+    with poptorch.track_memory():
+        for m in models:
+            m(x, y)
+    timeline = models[0].getTimeline()
+    weights = {}
+    for st in models[0].program.partition.stages:
+        weights[st.ipu] = weights.get(st.ipu, 0) + sum(p.numel() * p.element_size()
+                                                       for p in st.parameters)
+    result = {"untracked": untracked, "weights": weights,
+              "rows": (micro * 3 + 1) * 4,              # Final: the last logits and loss
+              "activation": micro * width * 4,          # what stage 0 sends (and gets back)
+              "micro_batches": models[0].program.schedule.micro_batches,
+              "end": max(e.end for e in timeline.events),
+              "processes": [m.to_dict() for m in timeline.memory],
+              "threads": [m.to_dict() for m in models[1].getTimeline().memory]}
+    if RANK == 0:   # the report beside the modeled bytes reads the gathered tracks
+        from ipukit.viz.memory import measured_memory as report
+
+        result["report"] = [[row["ipu"], row["measured_peak_bytes"]]
+                            for row in report(models[0], timeline).rows]
+    with poptorch.track_memory(RANK == 1):   # the processes need not agree on tracking
+        models[0](x, y)
+    result["only_process_1"] = [[m.replica, m.ipu] for m in models[0].getTimeline().memory]
+    for m in models:
+        m.destroy()
+    return result
+
+
 def _plain(replicas):
     p = poptorch.Options().deviceIterations(4).replicationFactor(replicas)
     p.Distributed.disable()
@@ -324,6 +369,8 @@ def main():
             results[name] = train_pair(All, replicas=2, schedule=schedule,
                                        stages=len(placement), placement=placement)
         results["inference"] = inference_pair(replicas=2)
+    elif scenario == "memory":
+        results["memory"] = measured_memory()
     elif scenario == "killed":  # rank 1 is killed (SIGKILL) in its second optimiser step
         if RANK == 0:  # outlive torchrun's SIGTERM: see what this process makes of the loss
             signal.signal(signal.SIGTERM, lambda *args: None)

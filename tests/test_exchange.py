@@ -196,8 +196,8 @@ def test_spans_round_trip_and_the_capacity_is_enforced():
         spans.encode(events * 2, 0.0)
 
 
-def test_spans_gather_to_process_zero(monkeypatch):
-    """Process 0 gets every process's (spans, call start); the others keep their own."""
+def fake_gather(monkeypatch) -> dict:
+    """dist.gather to process 0 of two: its tables are its own and ``sent["table"]``."""
     sent = {}
 
     class Work:
@@ -214,8 +214,39 @@ def test_spans_gather_to_process_zero(monkeypatch):
         return Work(table, tables)
 
     monkeypatch.setattr(dist, "gather", gather)
+    return sent
+
+
+def test_spans_gather_to_process_zero(monkeypatch):
+    """Process 0 gets every process's (spans, call start); the others keep their own."""
+    sent = fake_gather(monkeypatch)
     theirs = [Event(1, "backward", 2, 0.5, 0.75, 1, 0, 0, 0)]
     sent["table"] = SpanGather(3, 2, 1).encode(theirs, 0.0625)
     ours = [Event(0, "forward", 2, 0.25, 0.5, 0, 0, 0, 0)]
-    assert SpanGather(3, 2, 0)(ours, 0.5) == [(ours, 0.5), (theirs, 0.0625)]
-    assert SpanGather(3, 2, 1)(theirs, 0.0625) == [(theirs, 0.0625)]
+    assert SpanGather(3, 2, 0)(ours, 0.5) == [(ours, 0.5, []), (theirs, 0.0625, [])]
+    assert SpanGather(3, 2, 1)(theirs, 0.0625) == [(theirs, 0.0625, [])]
+
+
+def test_memory_tracks_reach_process_zero_from_the_processes_that_measured(monkeypatch):
+    """A process that measured its memory flags it in its table and sends its tracks after the
+    gather; process 0 receives from the flagged ones only (the processes need not agree)."""
+    from ipukit.timeline.events import MemoryTrack
+
+    sent, mailbox = fake_gather(monkeypatch), []
+    monkeypatch.setattr(dist, "send_object_list", lambda objs, dst: mailbox.append((dst, objs[0])))
+
+    def recv_object_list(box, src):
+        dst, box[0] = mailbox.pop(0)
+        assert (dst, src) == (0, 1)
+
+    monkeypatch.setattr(dist, "recv_object_list", recv_object_list)
+    theirs = [Event(1, "backward", 2, 0.5, 0.75, 1, 0, 0, 0)]
+    track = MemoryTrack(1, 0, [(0.5, 10), (0.6, 30)], 10, 30, 0.6, 10)
+    assert SpanGather(3, 2, 1)(theirs, 0.0625, [track]) == [(theirs, 0.0625, [track])]
+    assert len(mailbox) == 1
+    sent["table"] = SpanGather(3, 2, 1).encode(theirs, 0.0625, measured=True)
+    ours = [Event(0, "forward", 2, 0.25, 0.5, 0, 0, 0, 0)]
+    assert SpanGather(3, 2, 0)(ours, 0.5) == [(ours, 0.5, []), (theirs, 0.0625, [track])]
+    assert mailbox == []
+    sent["table"] = SpanGather(3, 2, 1).encode(theirs, 0.0625)   # process 1 did not measure
+    assert SpanGather(3, 2, 0)(ours, 0.5)[1] == (theirs, 0.0625, [])

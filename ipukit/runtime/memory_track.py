@@ -29,8 +29,21 @@ convnet, 2.1–2.3× on the ViT: ``benchmarks/memory.md``), so it is opt-in: ins
 ``Options.trackMemory(True)``, every call records it, and
 its timeline carries one :class:`~ipukit.timeline.events.MemoryTrack` per virtual
 IPU (``Timeline.memory``). On a GPU, ``torch.cuda.max_memory_allocated`` per device is
-recorded beside it (``allocator_peak``; untested here: no GPU). With stages as
-processes the tracker is not wired in yet.
+recorded beside it (``allocator_peak``; untested here: no GPU); off GPU, the process's
+peak resident set size before and after the call (``rss_peak``, :func:`peak_rss`).
+
+With stages as processes (:mod:`ipukit.runtime.processes`), each process measures its own
+virtual IPU with the same machinery: one account (``accounts``), entered around torch's
+schedule runtime, which runs every action of the process on its main thread; the host's
+work done there mid-call (the undo copy of the weights) is left out (:func:`untracked`),
+and the optimiser step is outside, as on threads. What differs is the runtime measured,
+not the measure: torch's ``PipelineStage`` keeps a receive buffer per micro-batch for
+each tensor it receives, for the stage's life, so they are in the baseline
+(``parts["receive_buffers"]``), where on threads a received tensor counts only while it is
+used; and a sent tensor counts on its sender until the sender drops it (the receiver has
+its own copy), not until the receiver does. Process 0's timeline carries every process's
+track (:class:`~ipukit.runtime.processes.exchange.SpanGather`); each stage's passes are
+not calibrated alone there (below: that runs the threads' executor).
 
 The first tracked call of a training model then measures each stage's passes alone
 (:func:`calibrate_memory`, :func:`stage_transients`: one micro-batch's ``F``, ``B``, ``I``,
@@ -42,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -53,11 +67,12 @@ import torch
 from .._torch import dispatch_mode_class
 from ..timeline.events import MemoryTrack
 
-__all__ = ["CallMemory", "track_memory", "tracking", "coalesce", "calibrate_memory",
-           "stage_transients"]
+__all__ = ["CallMemory", "track_memory", "tracking", "untracked", "coalesce",
+           "calibrate_memory", "stage_transients", "peak_rss"]
 
 _switch = {"depth": 0}
 _switch_lock = threading.Lock()
+_here = threading.local()   # .mode: this thread's counting mode, inside CallMemory.thread
 
 
 @contextmanager
@@ -77,6 +92,27 @@ def tracking(plan=None) -> bool:
     ``IPUKIT_TRACK_MEMORY``, or ``plan`` compiled with ``Options.trackMemory(True)``)."""
     return (_switch["depth"] > 0 or bool(getattr(plan, "track_memory", False))
             or os.environ.get("IPUKIT_TRACK_MEMORY", "") not in ("", "0"))
+
+
+@contextmanager
+def untracked():
+    """Inside, on a thread being tracked (:meth:`CallMemory.thread`), operations count on no
+    virtual IPU; elsewhere nothing changes.
+
+    For the host's own work done on a tracked thread: with stages as processes, the undo
+    copy of the weights is taken mid-call on the thread that runs the stages (where it
+    waits for a peer anyway); on threads it is taken before the call, outside any tracker.
+    An in-place copy into the copy kept from the last call would otherwise count it.
+    """
+    mode = getattr(_here, "mode", None)
+    if mode is None or mode.track is None:
+        yield
+        return
+    track, mode.track = mode.track, None
+    try:
+        yield
+    finally:
+        mode.track = track
 
 
 def _storage(t: torch.Tensor):
@@ -120,7 +156,16 @@ class CallMemory:
     """The memory accounts of one call: one per (replica, virtual IPU)."""
 
     def __init__(self, plan, schedule, replicas: int, optimizer=None,
-                 t0: Optional[float] = None, inputs: Iterable = ()) -> None:
+                 t0: Optional[float] = None, inputs: Iterable = (),
+                 accounts: Optional[Iterable[Tuple[int, int]]] = None,
+                 devices: Optional[Dict[int, torch.device]] = None,
+                 kept: Optional[Dict[Tuple[int, int], Dict[str, list]]] = None) -> None:
+        """``accounts``: the (replica, virtual IPU) pairs measured (default: every one). A
+        process running one virtual IPU of one replica measures that one only, on its
+        ``devices`` (virtual IPU → torch device; default the plan's); ``kept``, per account,
+        part → tensors its runtime keeps for that IPU between calls besides the stages'
+        weights (with stages as processes: torch's receive buffers), counted in its baseline
+        and not held on to (that would keep alive what the runtime drops during the call)."""
         self.plan = plan
         self.optimizer = optimizer
         self.t0 = time.perf_counter() if t0 is None else t0
@@ -133,22 +178,26 @@ class CallMemory:
             for v in row:
                 if isinstance(v, torch.Tensor) and (s := _storage(v)) is not None:
                     self.ignored.add(id(s))
-        ipus = sorted({st.ipu for st in plan.partition.stages})
-        self.tracks: Dict[Tuple[int, int], _Track] = {}
-        for r in range(replicas):
-            for ipu in ipus:
-                self.tracks[(r, ipu)] = _Track(ipu, r)
-        self.devices = {ipu: plan.devices.get(ipu, torch.device("cpu")) for ipu in ipus}
+        if accounts is None:
+            ipus = sorted({st.ipu for st in plan.partition.stages})
+            accounts = [(r, ipu) for r in range(replicas) for ipu in ipus]
+        self.tracks: Dict[Tuple[int, int], _Track] = {key: _Track(key[1], key[0])
+                                                      for key in accounts}
+        devices = plan.devices if devices is None else devices
+        self.devices = {ipu: devices.get(ipu, torch.device("cpu"))
+                        for ipu in sorted({ipu for _, ipu in self.tracks})}
         self.cuda = sorted({d.index or 0 for d in self.devices.values() if d.type == "cuda"})
         for d in self.cuda:   # pragma: no cover - GPU only (untested: no GPU here)
             torch.cuda.reset_peak_memory_stats(d)
+        self.rss_before = peak_rss()
+        kept = kept or {}
         with self.lock:
             for (r, ipu), track in self.tracks.items():
-                self._start(track, [ipu])
+                self._start(track, [ipu], kept.get((r, ipu), {}))
 
     # -- what each IPU holds before the call -----------------------------------------------
-    def _start(self, track: _Track, ipus) -> None:
-        self._baseline(track, ipus)
+    def _start(self, track: _Track, ipus, kept: Optional[Dict[str, list]] = None) -> None:
+        self._baseline(track, ipus, kept or {})
         now = time.perf_counter() - self.t0
         track.baseline = track.peak = track.level
         track.peak_time = now
@@ -157,7 +206,7 @@ class CallMemory:
     def _stages_of(self, ipus) -> list:
         return [st for st in self.plan.partition.stages if st.ipu in ipus]
 
-    def _baseline(self, track: _Track, ipus) -> None:
+    def _baseline(self, track: _Track, ipus, kept: Dict[str, list]) -> None:
         parts = track.parts
         for st in self._stages_of(ipus):
             module = self.plan.module_for(st.index, track.replica)
@@ -168,6 +217,8 @@ class CallMemory:
                     if kind == "parameters" and t.grad is not None:
                         parts["gradients"] = parts.get("gradients", 0) + self._hold(track, t.grad)
         parts["optimizer_state"] = self._optimizer_state(track, ipus)
+        for kind, tensors in kept.items():
+            parts[kind] = sum(self._hold(track, t) for t in tensors)
 
     def _optimizer_state(self, track: _Track, ipus) -> int:
         opt = self.optimizer
@@ -313,8 +364,13 @@ class CallMemory:
                 self._count(track, id(held), held, t.numel() * t.element_size())
             return held
 
-        with _mode_class()(self, track), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            yield
+        mode, outer = _mode_class()(self, track), getattr(_here, "mode", None)
+        _here.mode = mode
+        try:
+            with mode, torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                yield
+        finally:
+            _here.mode = outer
 
     def _drop(self, track: _Track) -> None:
         for key in list(track.held):
@@ -332,15 +388,17 @@ class CallMemory:
         allocator = {}
         for d in self.cuda:   # pragma: no cover - GPU only (untested: no GPU here)
             allocator[d] = int(torch.cuda.max_memory_allocated(d))
+        rss = (self.rss_before, peak_rss()) if self.rss_before is not None else None
         out = []
         with self.lock:
             for (r, ipu), tr in sorted(self.tracks.items()):
                 dev = self.devices.get(ipu)
+                cuda = dev is not None and dev.type == "cuda"
                 out.append(MemoryTrack(
                     ipu, r, coalesce(tr.samples, tr.peak_time), tr.baseline, tr.peak,
                     tr.peak_time, tr.level, dict(tr.parts),
-                    allocator.get(dev.index or 0) if dev is not None and dev.type == "cuda"
-                    else None))
+                    allocator.get(dev.index or 0) if cuda else None,
+                    None if cuda else rss))
             self.live.clear()   # stop listening: later releases are not this call's
             for tr in self.tracks.values():
                 tr.borrowed.clear()
@@ -357,6 +415,21 @@ class CallMemory:
                         "measured_memory() has no calibrated model for this model.",
                         type(exc).__name__, exc)
         return out
+
+
+def peak_rss() -> Optional[int]:
+    """The process's peak resident set size so far, in bytes (None where unknown).
+
+    ``getrusage``'s ``ru_maxrss`` (KiB on Linux, bytes on macOS): a high-water mark over
+    the process's life, never reset here (resetting it is process-wide), so a call's figure
+    is the pair before and after it: ``after > before`` says the call raised the peak.
+    """
+    try:
+        import resource
+    except ImportError:   # pragma: no cover - Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss) if sys.platform == "darwin" else int(rss) * 1024
 
 
 def coalesce(samples: List[Tuple[float, int]], keep: Optional[float] = None,
@@ -408,7 +481,8 @@ def _mode_class():
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                self.memory.saw(self.track, out)
+                if self.track is not None:   # None: inside untracked()
+                    self.memory.saw(self.track, out)
                 return out
 
         cls = _MODE["cls"] = _Counting

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from .analysis import activity_marks, sweep_idle
 # the kinds have always been importable from here
@@ -50,7 +50,10 @@ class MemoryTrack:
     ``peak_time``), ``end`` what was left when it ended. ``parts``: the baseline's parts
     (``parameters``, ``buffers``, ``optimizer_state``, ``gradients``) in bytes.
     ``allocator_peak``: ``torch.cuda.max_memory_allocated`` of the IPU's GPU over the call
-    (None off GPU; every stage on that GPU shares it). ``ipu`` -1: one thread ran every IPU.
+    (None off GPU; every stage on that GPU shares it). ``rss_peak``: off GPU, the process's
+    peak resident set size (``ru_maxrss``, bytes) before and after the call — a high-water
+    mark over the process's life, shared by every track of that process (with stages as
+    processes, one process per virtual IPU). ``ipu`` -1: one thread ran every IPU.
     """
 
     ipu: int
@@ -62,6 +65,7 @@ class MemoryTrack:
     end: int = 0
     parts: Dict[str, int] = field(default_factory=dict)
     allocator_peak: Optional[int] = None
+    rss_peak: Optional[Tuple[int, int]] = None
 
     @property
     def name(self) -> str:
@@ -69,14 +73,14 @@ class MemoryTrack:
         return ipu if self.replica == 0 else f"{ipu} · replica {self.replica}"
 
     def shifted(self, offset: float) -> "MemoryTrack":
-        return MemoryTrack(self.ipu, self.replica, [(t + offset, b) for t, b in self.samples],
-                           self.baseline, self.peak, self.peak_time + offset, self.end,
-                           dict(self.parts), self.allocator_peak)
+        return replace(self, samples=[(t + offset, b) for t, b in self.samples],
+                       peak_time=self.peak_time + offset, parts=dict(self.parts))
 
     def to_dict(self) -> Dict[str, Any]:
         return {"ipu": self.ipu, "replica": self.replica, "baseline": self.baseline,
                 "peak": self.peak, "peak_time": self.peak_time, "end": self.end,
                 "parts": dict(self.parts), "allocator_peak": self.allocator_peak,
+                "rss_peak": None if self.rss_peak is None else list(self.rss_peak),
                 "samples": [list(s) for s in self.samples]}
 
 
@@ -440,9 +444,11 @@ def _join_memory(before: List[MemoryTrack], after: List[MemoryTrack]) -> List[Me
             continue
         top = prev if prev.peak >= m.peak else m
         peaks = [p for p in (prev.allocator_peak, m.allocator_peak) if p is not None]
+        rss = [r for r in (prev.rss_peak, m.rss_peak) if r is not None]
         out[(m.replica, m.ipu)] = MemoryTrack(
             m.ipu, m.replica, prev.samples + m.samples, prev.baseline, top.peak, top.peak_time,
-            m.end, dict(prev.parts), max(peaks) if peaks else None)
+            m.end, dict(prev.parts), max(peaks) if peaks else None,
+            (rss[0][0], rss[-1][1]) if rss else None)
     return [out[k] for k in sorted(out)]
 
 

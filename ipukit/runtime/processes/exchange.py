@@ -15,7 +15,8 @@ new layout. A one-word flag in front of the bytes says which case follows, so
 the usual call costs one broadcast of the rows' own size per producing process.
 
 :class:`SpanGather` brings process 0 every process's measured spans for the
-call's timeline, in one gather.
+call's timeline, in one gather, and the memory tracks of the processes that measured
+their memory (``ipukit.track_memory()``), sent to it point to point.
 """
 from __future__ import annotations
 
@@ -160,6 +161,13 @@ class SpanGather:
     an index); every process sends ``capacity`` rows, an upper bound on what any
     process records in a call that is the same on all of them, so no sizes need
     exchanging first (pickled, this cost about 1.4 ms a call on two gloo processes).
+
+    A process that measured its memory (:class:`~ipukit.runtime.memory_track.CallMemory`)
+    says so in its table's first row, and sends its tracks (pickled: a few thousand samples
+    at most) to process 0 once the gather is done; process 0 reads the flags and receives
+    from those processes only. So the processes need not agree on measuring (one may run
+    its call inside ``track_memory()`` and the others not), and a call that measures
+    nothing costs nothing more.
     """
 
     KINDS = ("forward", "backward", "input-grad", "weight-grad", "step", "host", "transfer")
@@ -167,12 +175,12 @@ class SpanGather:
     def __init__(self, capacity: int, world: int, rank: int) -> None:
         self.capacity, self.world, self.rank = capacity, world, rank
 
-    def encode(self, events: Sequence, start: float) -> torch.Tensor:
+    def encode(self, events: Sequence, start: float, measured: bool = False) -> torch.Tensor:
         if len(events) > self.capacity:
             raise RuntimeError(f"ipukit: {len(events)} spans in a call, more than the "
                                f"{self.capacity} the schedule allows (a bug: please report it)")
         out = torch.zeros(self.capacity + 1, 9, dtype=torch.float64)
-        out[0, 0], out[0, 1] = len(events), start
+        out[0, 0], out[0, 1], out[0, 2] = len(events), start, float(measured)
         if events:
             out[1:len(events) + 1] = torch.tensor(
                 [(e.stage, self.KINDS.index(e.kind), e.micro_batch, e.start, e.end, e.ipu,
@@ -187,32 +195,54 @@ class SpanGather:
                         int(r[6]), int(r[7]), int(r[8])) for r in table[1:n + 1].tolist()]
         return events, float(table[0, 1])
 
-    def __call__(self, events: Sequence, start: float) -> List[Tuple[list, float]]:
-        """(spans, call start) of every process on process 0 (a collective); this one's elsewhere."""
-        return self.start(events, start)()()
+    def __call__(self, events: Sequence, start: float,
+                 memory: Optional[list] = None) -> List[Tuple[list, float, list]]:
+        """(spans, call start, memory tracks) of every process on process 0 (a collective);
+        this one's elsewhere. ``memory``: this process's tracks, None when it measured none."""
+        return self.start(events, start, memory)()()
 
-    def start(self, events: Sequence, start: float):
+    def start(self, events: Sequence, start: float, memory: Optional[list] = None):
         """Post the gather (asynchronously: the rows' exchange can run meanwhile).
 
-        Returns ``wait``: it completes the gather and returns ``parts``, which decodes
-        the tables into :meth:`__call__`'s result when (and if) the timeline is read.
+        Returns ``wait``: it completes the gather (and the memory tracks' transfer) and
+        returns ``parts``, which decodes the tables into :meth:`__call__`'s result when
+        (and if) the timeline is read.
         """
         import torch.distributed as dist
 
-        mine = (list(events), start)
+        mine = (list(events), start, list(memory or ()))
         if self.world == 1:
             return lambda: lambda: [mine]
-        table = self.encode(events, start)
+        table = self.encode(events, start, memory is not None)
         tables = [torch.empty_like(table) for _ in range(self.world)] if self.rank == 0 else None
         work = dist.gather(table, tables, dst=0, async_op=True)
 
-        def parts() -> List[Tuple[list, float]]:
-            if self.rank != 0:
-                return [mine]
-            return [mine if r == 0 else self.decode(t) for r, t in enumerate(tables)]
-
         def wait():
             work.wait()
+            tracks = self._memory(tables, memory)
+
+            def parts() -> List[Tuple[list, float, list]]:
+                if self.rank != 0:
+                    return [mine]
+                return [mine if r == 0 else (*self.decode(t), tracks.get(r, []))
+                        for r, t in enumerate(tables)]
             return parts
 
         return wait
+
+    def _memory(self, tables: Optional[list], memory: Optional[list]) -> Dict[int, list]:
+        """After the gather: process r's memory tracks on process 0, for each r whose table
+        says it measured them (each sends its own, point to point); {} elsewhere."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            if memory is not None:
+                dist.send_object_list([memory], dst=0)
+            return {}
+        got: Dict[int, list] = {}
+        for r in range(1, self.world):
+            if tables[r][0, 2] > 0:
+                box: list = [None]
+                dist.recv_object_list(box, src=r)
+                got[r] = box[0]
+        return got

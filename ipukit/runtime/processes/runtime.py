@@ -25,13 +25,18 @@ runs here instead of on threads:
   all-reduce of one flat buffer); the rule and its evidence:
   :func:`~ipukit.distributed.replicas.gradient_sync`. PopTorch's Mean/Sum rule
   scales them, and every process steps the user's optimiser on its own stages' weights;
-* replicas start each call from replica 0's buffers (a broadcast in the dp group).
+* replicas start each call from replica 0's buffers (a broadcast in the dp group);
+* with memory tracked (``ipukit.track_memory()``), each process measures the bytes alive
+  for its virtual IPU while torch's runtime runs its actions (the threads' tracker,
+  :class:`~ipukit.runtime.memory_track.CallMemory`, on this process's one account), and
+  process 0's timeline carries every process's track.
 
 :func:`maybe_run` is the one entry point the model wrapper needs; everything
 it reads of the compiled model goes through :func:`_compiled`.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -41,6 +46,7 @@ from ..._torch import pytree
 
 from ...core import batching as microbatch
 from ...core.enums import ReductionType
+from .. import memory_track
 from ..gpu_clock import GpuClock
 from ...timeline.events import Event, Timeline
 from ..contract import StateSnapshot, abort_call, action_event, gradient_scale, step, step_events
@@ -48,7 +54,8 @@ from .exchange import RowExchange, SpanGather
 from .group import (DistributedError, device_for, is_comm_error, note_failure, peer_failure, ensure_process_group, is_active, teardown_process_group, default_store)
 from .watchdog import ProcessWatchdog
 from .replicas import ALL_REDUCE, DDP, gradient_sync, sum_over_replicas, under_ddp
-from .stages import (CallContext, StageBody, carry_plan, process_lanes, schedule_runner, timed_stage_class)
+from .stages import (CallContext, StageBody, carry_plan, process_lanes, receive_buffers,
+                     schedule_runner, timed_stage_class)
 
 __all__ = ["NOT_DISTRIBUTED", "DistributedError", "is_active", "ensure_process_group",
            "maybe_run", "synchronize_weights", "last_timeline", "timeline_source",
@@ -77,6 +84,7 @@ class Compiled:
     loss_item: int
     host_outputs: List[List[Tuple[int, int]]]
     input_names: List[str]
+    program: Any                      # the Program itself: what measured memory reads
 
 
 def _compiled(model) -> Compiled:
@@ -89,7 +97,7 @@ def _compiled(model) -> Compiled:
                     tensor_inputs=list(program.tensor_inputs), reduction=program.reduction,
                     record=program.record, loss_stage=program.loss_stage,
                     loss_item=program.loss_item, host_outputs=program.host_outputs,
-                    input_names=list(program.input_names))
+                    input_names=list(program.input_names), program=program)
 
 
 def _is_compiled(model) -> bool:
@@ -242,10 +250,10 @@ class _Recorder:
                                    t0=self.t0)
 
     def finish(self, parts: Callable[[], list], flat: Sequence) -> None:
-        """This call's timeline, from ``parts`` (gives (events, call start) per process:
-        every process's on process 0, this one's elsewhere), built when first read:
-        most calls' timelines are never looked at, and building one costs a few tenths
-        of a millisecond, each call, on the pipeline's last process to finish."""
+        """This call's timeline, from ``parts`` (gives (events, call start, memory tracks)
+        per process: every process's on process 0, this one's elsewhere), built when first
+        read: most calls' timelines are never looked at, and building one costs a few
+        tenths of a millisecond, each call, on the pipeline's last process to finish."""
         samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
                        0)
         call, built = self.call_index, []
@@ -269,6 +277,8 @@ class _Recorder:
         events = [e._replace(start=e.start - start, end=e.end - start)
                   for p in parts for e in p[0]]
         events.sort(key=lambda e: (e.start, e.replica, e.ipu))
+        memory = sorted((m.shifted(-start) for p in parts for m in p[2]),
+                        key=lambda m: (m.replica, m.ipu))
         meta = dict(c.schedule.describe())
         meta.update({"schedule": c.schedule.kind, "replicas": lay.dp, "samples": samples,
                      "training": c.training, "call": call,
@@ -277,7 +287,7 @@ class _Recorder:
                      "blocks": [st.blocks for st in c.partition.stages],
                      "processes": lay.world, "rank": lay.rank,
                      "gathered": lay.rank == 0})
-        return Timeline(events, modeled=False, meta=meta)
+        return Timeline(events, modeled=False, meta=meta, memory=memory)
 
 
 class _Runtime:
@@ -386,7 +396,8 @@ class _Runtime:
         """This call's copy of the weights and optimiser state, if still due."""
         if self.weights_due:
             self.weights_due = False
-            self.weights.capture(self.own, self.compiled.optimizer, True, buffers=False)
+            with memory_track.untracked():   # the host's undo copy, as on threads
+                self.weights.capture(self.own, self.compiled.optimizer, True, buffers=False)
             self.weights_taken = True
 
     def _run(self, flat: list) -> Any:
@@ -405,6 +416,7 @@ class _Runtime:
         ctx.rows = {}
         M = self.M
         last = c.schedule.iterations - 1
+        memory = self._memory(micro)
         with torch.enable_grad() if c.training else torch.no_grad():
             for it in range(last + 1):
                 ctx.iteration = rec.iteration = it
@@ -413,26 +425,51 @@ class _Runtime:
                 if c.training:
                     for p in self.params:
                         p.grad = None
-                    self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
-                                     target_mbs=[self._target] * M, return_outputs=False)
-                else:
-                    self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
-                                     return_outputs=False)
+                # torch's runtime runs every action of this process on this thread
+                with (contextlib.nullcontext() if memory is None
+                      else memory.thread(lay.replica, lay.ipu)):
+                    if c.training:
+                        self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
+                                         target_mbs=[self._target] * M, return_outputs=False)
+                    else:
+                        self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
+                                         return_outputs=False)
                 if it == last:  # the replica's rows travel while the optimiser steps
                     rows_of_replica = self.exchange.start(ctx.rows)
                 if c.training:
                     if self.replica_sync == ALL_REDUCE:
                         sum_over_replicas(self.params, lay.dp_group)
                     self._step()
+                    if memory is not None:
+                        memory.after_step()
         rec.resolve()  # this process's spans as times
-        # process 0's timeline: every process's spans, gathered while the rows arrive
-        spans = self.spans.start(rec.events, t_call) if rec.on else None
+        tracks = None if memory is None else memory.finish(calibrate=False)
+        # process 0's timeline: every process's spans (and memory), gathered while the rows arrive
+        spans = self.spans.start(rec.events, t_call, tracks) if rec.on else None
         rows = rows_of_replica()  # every process of the replica: the replica's rows
         result = _call_outputs(c, rows, micro, ctx.returned, local)
         if spans is not None:
             rec.finish(spans(), flat)  # the timeline itself is built when it is read
         rec.call_index += 1
         return result
+
+    def _memory(self, micro: List[list]) -> Optional[memory_track.CallMemory]:
+        """This call's memory account of this process's virtual IPU, when memory is tracked
+        (and the timeline that carries it is recorded), else None.
+
+        As on threads, the step (on the host there) is not counted, only the optimiser state
+        it leaves; unlike threads, the baseline holds torch's receive buffers
+        (:func:`~ipukit.runtime.processes.stages.receive_buffers`). Pass transients are not
+        calibrated here: that runs every stage in one process (the threads' executor).
+        """
+        c, lay = self.compiled, self.layout
+        if not (self.recorder.on and memory_track.tracking(c.program)):
+            return None
+        account = (lay.replica, lay.ipu)
+        return memory_track.CallMemory(
+            c.program, c.schedule, lay.dp, c.optimizer if c.training else None,
+            self.recorder.t0, micro, accounts=[account], devices={lay.ipu: lay.device},
+            kept={account: {"receive_buffers": receive_buffers(self.stages)}})
 
     def _step(self) -> None:
         """Apply PopTorch's Mean/Sum over micro-batches and replicas, step this process's weights."""

@@ -178,6 +178,30 @@ def timed_stage_class():
     return TimedStage
 
 
+def receive_buffers(stages: Sequence) -> List[torch.Tensor]:
+    """What torch's ``PipelineStage`` keeps between steps to receive into: a buffer per
+    micro-batch for each input activation and each output gradient (made at its first
+    step, written in place by every receive after; from a stage of the same process, the
+    sender's tensor itself, until the next one replaces it), and the input gradients a
+    split backward leaves in those buffers' ``.grad`` (dropped at the next step's start).
+
+    A measured process counts them in its baseline (:mod:`ipukit.runtime.memory_track`):
+    they are alive for as long as the stage, where on threads a received tensor lives
+    only until its consumer is done with it.
+    """
+    out = []
+    for stage in stages:
+        for infos in (stage.args_recv_info, stage.grad_recv_info):
+            for recv in infos.values():
+                for info in recv:
+                    buffer = getattr(info, "buffer", None)
+                    if isinstance(buffer, torch.Tensor):
+                        out.append(buffer)
+                        if buffer.grad is not None:
+                            out.append(buffer.grad)
+    return out
+
+
 def torch_single_order(kind: str, stage: int, num_stages: int, micro_batches: int) -> List[str]:
     """The order torch's ``Schedule1F1B``/``ScheduleGPipe`` run one stage's actions in.
 
