@@ -18,6 +18,7 @@ barrier; variants that can only use the cores through intra-op threads
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -109,6 +110,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in selected(args.only):
         quiet = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else {}
         print(f"[bench] {name} ...", flush=True)
+        # each benchmark starts as if alone: the documented thread count, and no garbage
+        # an earlier one left for the collector to walk during its timed calls
+        torch.set_num_threads(args.threads)
+        gc.collect()
         load = list(os.getloadavg())
         results[name] = run_one(name, sizes)
         results[name].update(quiet, loadavg_start=load, loadavg_end=list(os.getloadavg()))

@@ -195,7 +195,7 @@ def fast_median(durations: Sequence[float]) -> float:
 
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                    repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
-    """Forward and backward seconds of each block (:func:`fast_median`), one micro-batch = ``sample_inputs``.
+    """Forward and backward seconds of each block (the median of its passes), one micro-batch = ``sample_inputs``.
 
     Runs the model with every block on its own IPU in ShardedExecution
     (stages one at a time, so blocks do not compete for cores): a warm-up
@@ -238,7 +238,9 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
     with action_by_action():   # each pass timed alone, with a pipelined pass's bookkeeping
         timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe)
     halves = halves[0] if halves else None
-    costs = timeline.stage_costs(fast_median)
+    # the median pass: a modeled call sums typical passes (the fastest half's median ran
+    # 5-11 % under the passes of the calls it predicted, on a quiet machine)
+    costs = timeline.stage_costs(statistics.median)
     per = {k: {b: 0.0 for b in block_order} for k in ("F", "B", "I", "W")}
     for s, names in enumerate(stage_blocks):
         for b in names:   # a stage holds one block here; share its time if it ever holds more
@@ -316,7 +318,7 @@ def _split_probe(compiled, args: Tuple, repeats: int):
                     spans["I"].append(t1 - t0)
                     spans["W"].append(t2 - t1)
             outputs[stage.index] = out
-            result.append(tuple(fast_median(spans[k][1:] or spans[k] or [0.0])
+            result.append(tuple(statistics.median(spans[k][1:] or spans[k] or [0.0])
                                 for k in ("B", "I", "W")))
     return result
 

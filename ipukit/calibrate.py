@@ -12,7 +12,7 @@ call the table will predict:
 - contention: the work rate of k forward + backward passes at once on k threads,
   against one alone (:func:`concurrency`: fewer cores than workers, and the
   interpreter lock each pass holds for its Python side);
-- the fixed cost of one pass: the median (of the fastest half, as for every figure here) gap between consecutive passes of that same
+- the fixed cost of one pass: the median (of the fastest half, as for the hand-off and the step) gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
 - one optimiser step of the training's optimiser type, on copies of the weights;
@@ -105,18 +105,21 @@ def _scalar_loss(out) -> Optional[torch.Tensor]:
 
 
 def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = None,
-                rounds: int = 2, least_seconds: float = 0.02) -> List[float]:
+                rounds: int = 2, least_seconds: float = 0.08) -> List[float]:
     """The work rate of k passes at once on threads, k = 1 … ``workers`` (the first is 1).
 
     Each of k threads runs a forward and backward of its own copy of ``model`` on the
-    micro-batch, again and again, all starting together; the rate is k × passes ÷ the
-    time the k threads take, divided by one thread's rate. Each thread uses the intra-op
-    threads the executor gives one of k workers (one thread alone keeps the caller's,
-    as the sharded run that timed the blocks did). What it holds: how many cores the
-    workers really share, the interpreter lock every pass holds for its Python side
-    (which serialises), and the slowdown of more workers than cores. ``workers``
-    defaults to four or the cores + 2, whichever is more; the best of ``rounds`` rounds
-    counts (a neighbour's load only ever slows a round).
+    micro-batch, again and again, all started together, for a window of at least
+    ``least_seconds`` and at least three passes each. A thread's rate is the passes it
+    completed between its first and its last completion over that time (so neither the
+    start, nor a thread left alone at the end, counts); the rate of k is the sum over the
+    threads, divided by one thread's. Each thread uses the intra-op threads the executor
+    gives one of k workers (one thread alone keeps the caller's, as the sharded run that
+    timed the blocks did). What it holds: how many cores the workers really share, the
+    interpreter lock every pass holds for its Python side (which serialises), and the
+    slowdown of more workers than cores. ``workers`` defaults to four or the cores + 2,
+    whichever is more; the best of ``rounds`` rounds counts (a neighbour's load only ever
+    slows a round).
     """
     import copy
 
@@ -139,28 +142,35 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
         one(copies[0])                       # warm-up, and how long one pass takes
         one(copies[0])
         single = max(1e-6, (time.perf_counter() - t) / 2)
-        n = max(2, int(least_seconds / single + 0.999))
         best = [0.0] * K
         for _ in range(max(1, rounds)):
             for k in range(1, K + 1):
                 gate = threading.Barrier(k + 1)
                 threads_each = caller_threads if k == 1 else default_threads(k)
+                # long enough for three passes of each thread at the slowest rate plausible
+                window = max(least_seconds, 3.5 * single * k)
+                done: List[List[float]] = [[] for _ in range(k)]
 
-                def work(m: torch.nn.Module) -> None:
+                def work(i: int) -> None:
                     torch.set_num_threads(threads_each)
                     gate.wait()
-                    for _ in range(n):
-                        one(m)
+                    end = time.perf_counter() + window
+                    while True:
+                        one(copies[i])
+                        now = time.perf_counter()
+                        done[i].append(now)
+                        if now >= end and len(done[i]) >= 3:
+                            break
 
-                pool = [threading.Thread(target=work, args=(copies[i],), daemon=True,
+                pool = [threading.Thread(target=work, args=(i,), daemon=True,
                                          name=f"ipukit-calibrate-{i}") for i in range(k)]
                 for th in pool:
                     th.start()
                 gate.wait()
-                t = time.perf_counter()
                 for th in pool:
                     th.join()
-                best[k - 1] = max(best[k - 1], k * n / (time.perf_counter() - t))
+                rate = sum((len(d) - 1) / (d[-1] - d[0]) for d in done if d[-1] > d[0])
+                best[k - 1] = max(best[k - 1], rate)
     base = best[0]
     return [1.0] + [min(float(k), r / base) for k, r in enumerate(best[1:], start=2)]
 
@@ -230,8 +240,8 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         micro_batch=int(first.shape[0]) if first is not None else 0,
         input_grad=input_grad, weight_grad=weight_grad,
         concurrency=concurrency(model, args) if contention else None,
-        notes={"measured": "each block alone (sharded, one worker), the median of the "
-                           f"fastest half of {repeats} micro-batches; each block's split backward (I, W) "
+        notes={"measured": "each block alone (sharded, one worker), the median of "
+                           f"{repeats} micro-batches; each block's split backward (I, W) "
                            "alone; k passes at once on k threads (the whole model's "
                            "forward and backward); hand-off by a two-thread ping-pong"})
     table.notes["seconds"] = f"{time.perf_counter() - started:.3f}"
