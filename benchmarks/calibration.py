@@ -166,7 +166,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                   f"{modeled_tl.wall_time * 1e3:8.1f} ms  ratio {rows[-1]['ratio']:.2f}",
                   flush=True)
     return {"tables": tables, "rows": rows, "ga": ga, "di": di, "calls": calls,
-            "rounds": rounds, "cores": available_cores(),
+            "rounds": rounds, "cores": available_cores(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "load": os.getloadavg()}
 
 
@@ -182,7 +182,9 @@ def _in_spread(row: Dict) -> bool:
 
 def report(result: Dict) -> str:
     rounds = result.get("rounds", 1)
-    lines = [f"# Calibrated model vs measurement ({result['cores']} cores, torch "
+    threads = result.get("threads")
+    lines = [f"# Calibrated model vs measurement ({result['cores']} cores, "
+             f"{threads} intra-op thread{'s' * (threads != 1)} on the calling thread, torch "
              f"{result['torch']}, GA {result['ga']}, DI {result['di']}; measured: the median of "
              f"{rounds} rounds × {result['calls']} calls, each round a freshly built model)", "",
              "| model | configuration | measured ms/call | rounds' medians (spread) "
@@ -275,7 +277,8 @@ def _each_in_its_own_process(models, args) -> Dict:
     for name in models:
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "-m", "benchmarks.calibration", "--models", name,
-                   "--out", out, "--calls", str(args.calls), "--rounds", str(args.rounds)]
+                   "--out", out, "--calls", str(args.calls), "--rounds", str(args.rounds),
+                   "--threads", str(args.threads)]
             if args.smoke:
                 cmd.append("--smoke")
             subprocess.run(cmd, check=True, cwd=os.path.dirname(HERE))
@@ -297,12 +300,16 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="convnet,vit")
     ap.add_argument("--calls", type=int, default=3, help="timed calls per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over every configuration")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads of the calling thread (default 0: torch's own, "
+                         "as a notebook has them; a pipeline's workers get theirs from ipukit)")
     ap.add_argument("--same-process", action="store_true",
                     help="measure every model in this process (default: each in a fresh one)")
     args = ap.parse_args(argv)
     if args.smoke and os.path.abspath(args.out) == HERE:
         ap.error("--smoke needs --out (it never writes over the recorded results)")
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     models = tuple(args.models.split(","))
     if len(models) > 1 and not args.same_process:
         result = _each_in_its_own_process(models, args)

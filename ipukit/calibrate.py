@@ -9,8 +9,12 @@ call the table will predict:
   half ``W`` each timed on its own with the runtime's functions, on that run's compiled
   stages (:func:`ipukit.balance.measure_split_blocks`; a split backward costs more
   than a full one: the graph is walked twice);
-- contention: the work rate of k forward + backward passes at once on k threads,
-  against one alone (:func:`concurrency`: fewer cores than workers, and the
+- the same on a worker thread, with the intra-op threads the executor gives a
+  pipeline's worker, where those differ from the caller's (``CostTable.on_worker``:
+  measured on 2 cores with torch's default 2 threads, a worker thread ran the convnet's
+  pass 1.6× slower than the calling thread, which keeps its 2 threads for one-worker calls);
+- contention: the work rate of k forward + backward passes at once on k worker
+  threads, against one alone (:func:`concurrency`: fewer cores than workers, and the
   interpreter lock each pass holds for its Python side);
 - the fixed cost of one pass: the median (of the fastest half, as for the hand-off and the step) gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
@@ -43,6 +47,9 @@ from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re
 from .timeline.simulate import available_cores, host_spans
 
 _CACHE: Dict[str, CostTable] = {}
+# bumped when a table's meaning changes, so tables cached on disk by an older ipukit are
+# measured again (2: the blocks also timed on a worker thread, ``on_worker``)
+_TABLE_FORMAT = 2
 
 
 def handoff_cost(round_trips: int = 200) -> float:
@@ -106,7 +113,8 @@ def _scalar_loss(out) -> Optional[torch.Tensor]:
 
 def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = None,
                 rounds: int = 2, least_seconds: float = 0.08) -> List[float]:
-    """The work rate of k passes at once on threads, k = 1 … ``workers`` (the first is 1).
+    """The work rate of k passes at once on worker threads, k = 1 … ``workers`` (the first
+    is 1: one worker thread alone).
 
     Each of k threads runs a forward and backward of its own copy of ``model`` on the
     micro-batch, again and again, all started together, for a window of at least
@@ -114,12 +122,12 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     completed between its first and its last completion over that time (so neither the
     start, nor a thread left alone at the end, counts); the rate of k is the sum over the
     threads, divided by one thread's. Each thread uses the intra-op threads the executor
-    gives one of k workers (one thread alone keeps the caller's, as the sharded run that
-    timed the blocks did). What it holds: how many cores the workers really share, the
-    interpreter lock every pass holds for its Python side (which serialises), and the
-    slowdown of more workers than cores. ``workers`` defaults to four or the cores + 2,
-    whichever is more; the best of ``rounds`` rounds counts (a neighbour's load only ever
-    slows a round).
+    gives a worker of a call with k workers (at least two: one worker alone is still one
+    of a pipeline's, as the blocks timed on a worker thread were: see :func:`calibrate`).
+    What it holds: how many cores the workers really share, the interpreter lock every
+    pass holds for its Python side (which serialises), and the slowdown of more workers
+    than cores. ``workers`` defaults to four or the cores + 2, whichever is more; the best
+    of ``rounds`` rounds counts (a neighbour's load only ever slows a round).
     """
     import copy
 
@@ -129,13 +137,24 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     cores = available_cores()
     K = int(workers) if workers else max(4, cores + 2)
     copies = [copy.deepcopy(model) for _ in range(K)]
-    caller_threads = torch.get_num_threads()
 
     def one(m: torch.nn.Module) -> None:
         loss = _scalar_loss(m(*args))
         params = [p for p in m.parameters() if p.requires_grad]
         if loss is not None and params:
             torch.autograd.grad(loss, params, allow_unused=True)
+
+    def loop(m: torch.nn.Module, window: float, done: List[float]) -> None:
+        end = time.perf_counter() + window
+        while True:
+            one(m)
+            now = time.perf_counter()
+            done.append(now)
+            if now >= end and len(done) >= 3:
+                break
+
+    def rate(done: List[float]) -> float:
+        return (len(done) - 1) / (done[-1] - done[0]) if done[-1] > done[0] else 0.0
 
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         t = time.perf_counter()
@@ -146,7 +165,7 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
         for _ in range(max(1, rounds)):
             for k in range(1, K + 1):
                 gate = threading.Barrier(k + 1)
-                threads_each = caller_threads if k == 1 else default_threads(k)
+                threads_each = default_threads(max(k, 2))
                 # long enough for three passes of each thread at the slowest rate plausible
                 window = max(least_seconds, 3.5 * single * k)
                 done: List[List[float]] = [[] for _ in range(k)]
@@ -154,13 +173,7 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
                 def work(i: int) -> None:
                     torch.set_num_threads(threads_each)
                     gate.wait()
-                    end = time.perf_counter() + window
-                    while True:
-                        one(copies[i])
-                        now = time.perf_counter()
-                        done[i].append(now)
-                        if now >= end and len(done[i]) >= 3:
-                            break
+                    loop(copies[i], window, done[i])
 
                 pool = [threading.Thread(target=work, args=(i,), daemon=True,
                                          name=f"ipukit-calibrate-{i}") for i in range(k)]
@@ -169,10 +182,44 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
                 gate.wait()
                 for th in pool:
                     th.join()
-                rate = sum((len(d) - 1) / (d[-1] - d[0]) for d in done if d[-1] > d[0])
-                best[k - 1] = max(best[k - 1], rate)
-    base = best[0]
+                best[k - 1] = max(best[k - 1], sum(rate(d) for d in done))
+    base = best[0] or 1.0
     return [1.0] + [min(float(k), r / base) for k, r in enumerate(best[1:], start=2)]
+
+
+def _on_a_worker_thread(model: torch.nn.Module, args: Tuple, order: Sequence[str],
+                        repeats: int) -> Optional[Dict[str, Optional[List[float]]]]:
+    """The blocks' costs timed again on a worker thread with a pipeline worker's intra-op
+    threads; None when those are the caller's (the costs would be the same)."""
+    from .runtime.executor import default_threads
+
+    threads = default_threads(2)
+    if threads == torch.get_num_threads():
+        return None
+    result: list = []
+
+    def work() -> None:
+        try:
+            torch.set_num_threads(threads)
+            result.append(measure_split_blocks(model, args, order, repeats))
+        except BaseException as exc:  # raised again on the calling thread
+            result.append(exc)
+
+    thread = threading.Thread(target=work, name="ipukit-calibrate-worker", daemon=True)
+    thread.start()
+    interrupted = False
+    while thread.is_alive():   # Ctrl-C waits for the thread: it leaves the model as it was
+        try:
+            thread.join()
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    fwd, bwd, input_grad, weight_grad, _ = result[0]
+    return {"forward": fwd, "backward": bwd, "input_grad": input_grad,
+            "weight_grad": weight_grad}
 
 
 def _pass_gap(timeline) -> float:
@@ -190,7 +237,7 @@ def _key(model: torch.nn.Module, blocks: Sequence[str], args: Tuple, repeats: in
               model.named_parameters()]
     inputs = [(tuple(a.shape), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor)
               else repr(a) for a in args]
-    text = json.dumps([type(model).__module__, type(model).__qualname__, params, list(blocks),
+    text = json.dumps([_TABLE_FORMAT, type(model).__module__, type(model).__qualname__, params, list(blocks),
                        inputs, torch.get_num_threads(), available_cores(), repeats],
                       default=str)
     return hashlib.sha1(text.encode()).hexdigest()
@@ -229,6 +276,7 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
     started = time.perf_counter()
     fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(model, args, order,
                                                                         repeats)
+    on_worker = _on_a_worker_thread(model, args, order, repeats)
     before, after = host_spans(timeline)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
     device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) \
@@ -239,7 +287,7 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         host_before=before, host_after=after, cores=available_cores(), device=device,
         micro_batch=int(first.shape[0]) if first is not None else 0,
         input_grad=input_grad, weight_grad=weight_grad,
-        concurrency=concurrency(model, args) if contention else None,
+        concurrency=concurrency(model, args) if contention else None, on_worker=on_worker,
         notes={"measured": "each block alone (sharded, one worker), the median of "
                            f"{repeats} micro-batches; each block's split backward (I, W) "
                            "alone; k passes at once on k threads (the whole model's "

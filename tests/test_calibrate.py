@@ -91,6 +91,22 @@ def test_calibrated_contention_slows_concurrent_workers_and_says_so():
     assert alone.wall_time == pytest.approx(3 * 30)
 
 
+def test_a_pipeline_costs_its_blocks_as_timed_on_a_worker_thread():
+    # on_worker: the blocks timed on a worker thread (fewer intra-op threads than the
+    # calling thread, which times the fields one-worker calls use)
+    t = table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0, cores=2)
+    stages = even_split(t.blocks, 2)
+    slower = {"forward": [2 * v for v in t.forward], "backward": [2 * v for v in t.backward],
+              "input_grad": None, "weight_grad": None}
+    both = t.__class__(**dict(t.to_dict(), on_worker=slower))
+    assert model_call(both, "gpipe", stages, 1).wall_time == pytest.approx(
+        2 * model_call(t, "gpipe", stages, 1).wall_time)   # one micro-batch: never two at once
+    # a sharded call runs on the calling thread: the blocks' own costs
+    assert model_call(both, "sharded", stages, 1).wall_time == pytest.approx(
+        model_call(t, "sharded", stages, 1).wall_time)
+    assert CostTable.from_dict(both.to_dict()).on_worker == slower
+
+
 def test_a_handoff_is_paid_only_between_ipus():
     t = table(per_pass=0.0, step=0.0, host_before=0.0, host_after=0.0)
     stages = [["a"], ["b"]]
@@ -134,6 +150,12 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
     assert len(t.input_grad) == len(t.weight_grad) == 2
     assert all(v >= 0 for v in t.input_grad + t.weight_grad) and t.weight_grad[1] > 0
     assert t.concurrency[0] == 1.0 and len(t.concurrency) >= 2
+    from ipukit.runtime.executor import default_threads
+    if torch.get_num_threads() == default_threads(2):   # a worker's threads are the caller's
+        assert t.on_worker is None
+    else:
+        assert len(t.on_worker["forward"]) == len(t.on_worker["backward"]) == 2
+        assert all(v > 0 for v in t.on_worker["forward"] + t.on_worker["backward"])
     assert all(0 < r <= k for k, r in enumerate(t.concurrency, start=1))
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert ipukit.calibrate(net, (x, y), repeats=3, cache_dir=str(tmp_path)) is t

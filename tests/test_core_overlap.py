@@ -79,3 +79,38 @@ def test_workers_share_the_cores_without_oversubscribing():
     before = torch.get_num_threads()
     _thread_counts(ipukit.Options().deviceIterations(4).cpuThreadsPerIpu(1))
     assert torch.get_num_threads() == before  # the caller's setting is untouched
+
+
+def test_the_host_steps_with_a_workers_threads_and_gives_the_callers_back():
+    from ipukit.runtime.executor import default_threads
+
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        fail = False
+
+        def step(self, closure=None):
+            seen.append(torch.get_num_threads())
+            if self.fail:
+                raise RuntimeError("step failed on purpose")
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    net = SleepyNet(stages=2, ms=0)
+    opts = ipukit.Options()
+    opts.Training.gradientAccumulation(4)
+    optimizer = Recording(net.parameters(), lr=0.01)
+    model = ipukit.trainingModel(net, opts, optimizer=optimizer)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    before = torch.get_num_threads()
+    model(x, y)
+    assert seen == [default_threads(2)]          # two workers: the host is a third like them
+    assert torch.get_num_threads() == before
+    optimizer.fail = True
+    try:
+        model(x, y)
+    except RuntimeError:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("the step's error was not raised")
+    assert torch.get_num_threads() == before     # given back after a failed call too

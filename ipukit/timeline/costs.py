@@ -13,10 +13,14 @@ costs a real call pays on top of the blocks' compute:
 - a split backward's halves cost their blocks' measured ``input_grad`` and
   ``weight_grad`` (the stage that takes the data has no input gradient: its ``W`` is a
   full backward of its blocks); unmeasured, ``weight_share`` of a full backward;
+- a call whose workers run at once costs its blocks as measured on a worker thread
+  (``on_worker``: a worker gets fewer intra-op threads than the calling thread, which
+  times the blocks for one-worker calls);
 - while k passes of different workers run at once, each advances at
   ``concurrency[k − 1] / k`` of its speed alone (:func:`~ipukit.timeline.simulate.play_shared`):
-  the calibrated rate of k concurrent passes, which holds the cores, the interpreter
-  lock a pass holds for its Python side, and the slowdown of more workers than cores;
+  the calibrated rate of k concurrent passes on worker threads, which holds the cores,
+  the interpreter lock a pass holds for its Python side, and the slowdown of more
+  workers than cores;
   without it, at most ``cores`` passes run at once (workers beyond the cores wait);
 - each optimiser step costs ``step`` on the host, once per iteration, after the flush;
 - a call pays ``host_before`` (splitting the inputs) and ``host_after`` (gathering the
@@ -64,10 +68,15 @@ class CostTable:
     #: per block, its weight-gradient half (``W``, with the gradient accumulation); None:
     #: ``weight_share × backward``
     weight_grad: Optional[List[float]] = None
-    #: the work rate of k passes running at once on threads (k = 1, 2, ...; the first is
-    #: 1): what k workers really get from the cores (their count, the interpreter lock,
-    #: the scheduler). None: k passes get min(k, cores)
+    #: the work rate of k passes running at once on worker threads (k = 1, 2, ...; the
+    #: first is 1): what k workers really get from the cores (their count, the interpreter
+    #: lock, the scheduler). None: k passes get min(k, cores)
     concurrency: Optional[List[float]] = None
+    #: the blocks' costs measured again on a worker thread, with the intra-op threads the
+    #: executor gives a worker of a pipeline ("forward", "backward", "input_grad",
+    #: "weight_grad", per block), where those differ from the calling thread's (which
+    #: times the fields above and runs one-worker calls); None: the same
+    on_worker: Optional[Dict[str, Optional[List[float]]]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,8 +88,19 @@ class CostTable:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
-    def stage_costs(self, stage_blocks: Sequence[Sequence[str]]) -> Dict[str, List[float]]:
-        """Per stage: forward and backward compute (the blocks' sums) plus the pass cost."""
+    def stage_costs(self, stage_blocks: Sequence[Sequence[str]],
+                    on_worker: bool = False) -> Dict[str, List[float]]:
+        """Per stage: forward and backward compute (the blocks' sums) plus the pass cost.
+
+        ``on_worker``: the blocks' costs on a pipeline's worker thread (:attr:`on_worker`,
+        where measured), for a call whose workers run at once."""
+        if on_worker and self.on_worker:
+            worker = self.on_worker
+            table = CostTable(**dict(self.to_dict(), on_worker=None,
+                                     forward=worker["forward"], backward=worker["backward"],
+                                     input_grad=worker.get("input_grad"),
+                                     weight_grad=worker.get("weight_grad")))
+            return table.stage_costs(stage_blocks)
         index = {b: i for i, b in enumerate(self.blocks)}
         missing = [b for names in stage_blocks for b in names if b not in index]
         if missing:
@@ -127,7 +147,9 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     schedule = build(kind, N, micro_batches, iterations if "inference" not in kind else 1,
                      stage_ipus)
     ipus = list(schedule.stage_ipus)
-    c = table.stage_costs(stage_blocks)
+    workers = len(schedule.lanes) * replicas
+    concurrent = workers > 1 and "sharded" not in schedule.kind   # sharded: one at a time
+    c = table.stage_costs(stage_blocks, on_worker=concurrent)
     training = schedule.training
     fwd = c["forward"]
     bwd = c["backward"] if training else [0.0] * N
@@ -149,10 +171,8 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
                            for s in range(N)],
                  BACKWARD: [table.handoff if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0
                             for s in range(N)]}
-    workers = len(schedule.lanes) * replicas
     start = table.host_before
     notes: List[str] = []
-    concurrent = workers > 1 and "sharded" not in schedule.kind   # sharded: one at a time
     if cores is None and table.concurrency and concurrent:
         # k passes at once share the CPU at the calibrated rate of k concurrent passes
         limit = None

@@ -267,11 +267,13 @@ def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int
 def rate_of(parallelism: Optional[Sequence[float]], k: int) -> float:
     """Work per second of *each* of ``k`` passes running at once.
 
-    ``parallelism[k - 1]`` is the measured work rate of k concurrent passes (k passes alone
-    would be k; fewer cores, the interpreter lock and the scheduler make it less); beyond
-    the measured list the last value holds. ``None``: every pass its own core.
+    ``parallelism[k - 1]`` is the measured work rate of k concurrent passes on worker
+    threads, in units of one pass where the costs were measured (k passes each at that
+    speed would be k; a worker's fewer intra-op threads, fewer cores, the interpreter lock
+    and the scheduler make it less); beyond the measured list the last value holds.
+    ``None``: every pass its own core at the measured speed.
     """
-    if not parallelism or k <= 1:
+    if not parallelism or k < 1:
         return 1.0
     total = parallelism[k - 1] if k <= len(parallelism) else parallelism[-1]
     return max(1e-9, min(float(k), float(total))) / k
