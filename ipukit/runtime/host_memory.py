@@ -1,4 +1,4 @@
-"""A virtual IPU keeps its memory: the host allocator stops handing freed pages back.
+"""A virtual IPU keeps its memory: the host allocator stops handing freed pages back (default).
 
 A pipelined call holds several micro-batches' activations at once (GPipe all of them,
 1F1B up to one per stage) and frees them as their backwards run. With glibc's default
@@ -24,10 +24,19 @@ from its own arena, and the faults per call of the ViT's GPipe on 2 workers fell
 10-13 thousand to 4-7 thousand, its wall time within noise of before. It matters where
 one thread holds many micro-batches: a stage run as a process, a plain GPipe-ordered loop.
 
-It is process-wide and, once set, stays (glibc cannot go back to its adaptive
-threshold), so it is opt-in — ``Options.keepHostMemory(True)`` (applied at that model's
-first call) or ``IPUKIT_KEEP_HOST_MEMORY=1`` (at any model's first call) — and applied
-only where it is glibc's malloc that runs (Linux). ``MALLOC_TRIM_THRESHOLD_`` or
+The faults also grow with what ran before in the process: the ViT's GPipe on 2 workers
+took 287 ms with 2,600 faults per call in a fresh process, and up to 382 ms with 6,500
+once :func:`ipukit.calibrate` had run in it (its copies and threads leave the heap
+fragmented: glibc's adaptive thresholds move); with the thresholds below, 264-298 ms and
+no faults, before and after. That made every timing depend on what the notebook kernel had
+run before, and measured calibrated models 5 of 26 within 15 % where they were 14 of 26
+with memory kept (``benchmarks/calibration.py``, the same hour).
+
+So it is on by default. It is process-wide and, once set, stays (glibc cannot go back to
+its adaptive threshold): it is applied at the first call of a model that wants it (every
+model unless ``Options.keepHostMemory(False)``), and only where it is glibc's malloc that
+runs (Linux). ``IPUKIT_KEEP_HOST_MEMORY=0`` leaves glibc's default for every model (``1``
+turns it on even for a model that opted out). ``MALLOC_TRIM_THRESHOLD_`` or
 ``MALLOC_MMAP_THRESHOLD_`` in the environment mean the user chose: ipukit leaves them alone.
 """
 from __future__ import annotations
@@ -73,7 +82,8 @@ def kept() -> Optional[bool]:
 
 
 def wanted(option: bool) -> bool:
-    """Whether a model's call asks for it: its option, or ``IPUKIT_KEEP_HOST_MEMORY=1``."""
+    """Whether a model's call asks for it: its option (on by default), unless
+    ``IPUKIT_KEEP_HOST_MEMORY=0``; ``=1`` asks even where the option is off."""
     env = os.environ.get("IPUKIT_KEEP_HOST_MEMORY", "").strip().lower()
     if env in ("0", "false", "no"):
         return False
