@@ -643,7 +643,7 @@ class Options(_IgnoredGroup):
         next: on the example ViT, forwarding 8 micro-batches before their backwards took
         16-24 % longer than forward-then-backward, and its GPipe on 2 workers ran 287 ms
         with 2,600 page faults per call in a fresh process but up to 382 ms with 6,500
-        after a calibration had run in it (264-298 ms and no faults with this on), costs
+        after a calibration had run in it (264-298 ms with this on, and few faults once warm), costs
         no pass timed alone shows (:mod:`ipukit.runtime.host_memory`). Kept, the process
         holds its peak of host memory until it exits. ``keepHostMemory(False)`` leaves
         glibc's default for as long as no other model turned it on;

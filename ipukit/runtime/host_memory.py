@@ -26,9 +26,9 @@ one thread holds many micro-batches: a stage run as a process, a plain GPipe-ord
 
 The faults also grow with what ran before in the process: the ViT's GPipe on 2 workers
 took 287 ms with 2,600 faults per call in a fresh process, and up to 382 ms with 6,500
-once :func:`ipukit.calibrate` had run in it (its copies and threads leave the heap
-fragmented: glibc's adaptive thresholds move); with the thresholds below, 264-298 ms and
-no faults, before and after. That made every timing depend on what the notebook kernel had
+once :func:`ipukit.calibrate` had run in it (not traced further: glibc's adaptive
+thresholds move as large blocks are freed); with the thresholds below, 264-298 ms before
+and after, with 9-164 faults per call once warm (1,400-2,800 in the calls right after one). That made every timing depend on what the notebook kernel had
 run before, and measured calibrated models 5 of 26 within 15 % where they were 14 of 26
 with memory kept (``benchmarks/calibration.py``, the same hour).
 
