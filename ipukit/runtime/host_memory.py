@@ -30,7 +30,8 @@ once :func:`ipukit.calibrate` had run in it (not traced further: glibc's adaptiv
 thresholds move as large blocks are freed); with the thresholds below, 264-298 ms before
 and after, with 9-164 faults per call once warm (1,400-2,800 in the calls right after one). That made every timing depend on what the notebook kernel had
 run before, and measured calibrated models 5 of 26 within 15 % where they were 14 of 26
-with memory kept (``benchmarks/calibration.py``, the same hour).
+with memory kept (``benchmarks/calibration.py``, the same hour; the next run, kept: 9 of 26 —
+that table's runs vary that much on a shared 2-core VM).
 
 So it is on by default. It is process-wide and, once set, stays (glibc cannot go back to
 its adaptive threshold): it is applied at the first call of a model that wants it (every
