@@ -35,3 +35,59 @@ def test_a_chained_sharded_call_records_every_pass_in_order_on_one_track():
     assert first == [("forward", s) for s in range(blocks)] + \
         [("backward", s) for s in reversed(range(blocks))]
     # the sharded call's weights after the call are a plain loop's (tests/test_core_reference.py)
+
+
+def _chain_of(model, x, y):
+    """Call ``model`` once and return the fused.Chain that ran it."""
+    from ipukit.runtime import fused
+
+    seen = []
+    run = fused.Chain.run
+
+    def spy(self, actions):
+        seen.append(self)
+        return run(self, actions)
+
+    fused.Chain.run = spy
+    try:
+        model(x, y)
+    finally:
+        fused.Chain.run = run
+    assert seen, "the sharded call did not run as a chain"
+    return seen[0]
+
+
+def test_the_chain_seeds_the_backward_with_the_steps_scale_as_a_plain_loop_divides_its_loss():
+    """Mean reduction: the seed is 1 ÷ the micro-batches and the step scales by nothing more
+    (no second pass over the gradients); the weights are a plain loop's."""
+    from helpers import clone_model, max_weight_diff, reference_training
+
+    ga, di = 3, 2
+    model, net = _sharded(ga, di)
+    ref = clone_model(net)
+    x, y = make_data(ga * di * 4)
+    chain = _chain_of(model, x, y)
+    assert chain.seed_value == 1.0 / ga and chain.step_scale == 1.0
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, device_iterations=di,
+                       gradient_accumulation=ga, replicas=1)
+    assert max_weight_diff(net, ref) < 1e-5
+
+
+def test_with_loss_scaling_the_chain_seeds_the_scaling_and_the_step_unscales():
+    from helpers import clone_model, max_weight_diff, reference_training
+
+    ga, di = 4, 1
+    opts = ipukit.Options().deviceIterations(di)
+    opts.Training.gradientAccumulation(ga)
+    opts.setExecutionStrategy(ipukit.ShardedExecution())
+    torch.manual_seed(0)
+    net = StackNet(num_blocks=4)
+    ref = clone_model(net)
+    optimizer = ipukit.optim.SGD(net.parameters(), lr=0.1, loss_scaling=128.0)
+    model = ipukit.trainingModel(net, opts, optimizer=optimizer)
+    x, y = make_data(ga * di * 4)
+    chain = _chain_of(model, x, y)
+    assert chain.seed_value == 128.0 and chain.step_scale == 1.0 / (ga * 128.0)
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, device_iterations=di,
+                       gradient_accumulation=ga, replicas=1)
+    assert max_weight_diff(net, ref) < 1e-5

@@ -14,7 +14,7 @@ LAYOUTS = {
     "single": ([0, 0, 0, 0], None, (1, 4)),
     "pipelined2": ([0, 0, 1, 1], None, (3, 4)),
     "pipelined4": ([0, 1, 2, 3], None, (7, 8)),
-    "sharded4": ([0, 1, 2, 3], "sharded", (1, 4)),
+    "sharded4": ([0, 1, 2, 3], "sharded", (1, 3, 4)),  # 3: a scale not a power of two
 }
 
 

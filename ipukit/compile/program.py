@@ -9,7 +9,8 @@ the model changes in place, and the parameter and buffer tensors its stages
 hold. The executor, the memory and profile reports, the split balancer and
 the widgets read it through these public fields — nothing reads a model
 wrapper's private attributes. A Program never changes once built; replicas'
-own copies of stage modules (``replica_modules``) are the one cache it fills.
+own copies of stage modules (``replica_modules``) and what the runtime works out
+once per program (``runtime_cache``) are the caches it fills.
 """
 from __future__ import annotations
 
@@ -63,12 +64,16 @@ class Program:
     keep_rows: Optional[FrozenSet[int]] = field(init=False)
     # (stage, replica >= 1) -> that replica's copy of a stage module with buffers
     replica_modules: Dict[Tuple[int, int], torch.nn.Module] = field(init=False)
+    # what the runtime derives from the program alone, keyed by its user (e.g. a sharded
+    # call's chain of stage modules, fused.Chain): worked out at the first call, kept
+    runtime_cache: Dict[Any, Any] = field(init=False)
 
     def __post_init__(self) -> None:
         from ..core.batching import kept_rows
 
         part, n = self.partition, self.partition.num_stages
-        derived: Dict[str, Any] = {"replica_modules": {}, "loss_stage": None, "loss_item": 0}
+        derived: Dict[str, Any] = {"replica_modules": {}, "runtime_cache": {}, "loss_stage": None,
+                                   "loss_item": 0}
         derived["consumers"] = [[(c, pos, 0 if item is None else item)
                                  for c, pos, item in part.consumers(s)] for s in range(n)]
         host: List[List[Tuple[int, int]]] = [[] for _ in range(n)]

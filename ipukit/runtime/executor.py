@@ -109,8 +109,9 @@ class CallRunner:
         in_params = one_pass is not None and one_pass.grads_in_params  # summed in p.grad already
         grads = None if in_params else update.reduce_gradients(self.accumulators, plan.trainable,
                                                                self.replicas)
-        scale = update.gradient_scale(plan.reduction, self.schedule.micro_batches * self.replicas,
-                                      self.loss_scaling)
+        scale = (self.chain.step_scale if self.chain is not None else  # scaled in its seed
+                 update.gradient_scale(plan.reduction, self.schedule.micro_batches * self.replicas,
+                                       self.loss_scaling))
         with self.guard.deferred():  # Ctrl-C waits until the weights are consistent again
             if in_params:
                 t_opt, t_end, transfers = update.step_in_place(

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from .._torch import direct_forward
 from ..schedules.ir import Action
 from ..timeline.events import Event
+from . import update
 from .contract import action_note
 
 
@@ -112,10 +113,14 @@ class Chain:
 
     For each micro-batch: every stage's module in turn, each output handed straight to the
     stages that take it (no mailboxes, no stash), then one ``backward()`` from the loss
-    (scaled by the loss scaling) that adds the micro-batch's gradients into ``p.grad``. So
-    the weights after the call are those of the action-by-action path (the same
-    operations, the same accumulation), and the work around each pass is about what a plain
-    loop pays. ``backward`` goes without ``inputs=`` (which costs autograd a walk of the
+    that adds the micro-batch's gradients into ``p.grad``. Its seed is the step's gradient
+    scale (Mean reduction: 1 ÷ the micro-batches), as a plain loop's
+    ``(loss / accumulation).backward()`` is, so the step need not scale the gradients in
+    another pass over them (:attr:`step_scale`, what is left, is then 1). With loss
+    scaling, the seed is the loss scaling and the step unscales, as on the action-by-action
+    path. The weights after the call are the action-by-action path's up to rounding
+    (exactly, where the scale is a power of two), and the work around each pass is about
+    what a plain loop pays. ``backward`` goes without ``inputs=`` (which costs autograd a walk of the
     graph every micro-batch) when the parameters are the only tensors in the graph that
     want a gradient; otherwise it names them.
 
@@ -136,16 +141,42 @@ class Chain:
         plan = runner.plan
         self.n = n = plan.partition.num_stages
         self.params = runner.fused.params
-        self.named_inputs = not self._only_parameters_want_grad(plan, runner.micro_inputs)
+        scale = update.gradient_scale(plan.reduction, runner.micro_batches * runner.replicas,
+                                      runner.loss_scaling)
+        folded = runner.loss_scaling == 1.0
+        #: the backward's seed, and what the step still multiplies the gradients by
+        self.seed_value = scale if folded else runner.loss_scaling
+        self.step_scale = 1.0 if folded else scale
+        first_row = runner.micro_inputs[0] if runner.micro_inputs else []
+        # what depends on the program and where its inputs lie only: worked out once
+        key = tuple((v.device, v.requires_grad) if isinstance(v, torch.Tensor) else None
+                    for v in first_row)
+        parts = plan.runtime_cache.get(("chain", key))
+        if parts is None:
+            parts = plan.runtime_cache[("chain", key)] = self._parts(plan, first_row)
+        layout, others = parts
+        # backward goes without ``inputs=`` where only the trainable parameters want a
+        # gradient (no input, constant, buffer or parameter left out of plan.trainable)
+        self.named_inputs = any(t.requires_grad for t in others) or any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in first_row)
         self.record = plan.record
         self.marks: List = [None] * n  # per stage: when the gradient reached its input
         #: per micro-batch: (its first action, forward clock readings, backward end, the
         #: stages' marks when it was hooked, else None)
         self.records: list = []
-        first_row = runner.micro_inputs[0] if runner.micro_inputs else []
         #: per stage: (its forward, where each argument comes from, tuple output, the module
         #: when it recomputes, its outputs the host keeps)
-        self.stages = []
+        self.stages = [(direct_forward(module), sources, tuple_output, recompute, host)
+                       for module, sources, tuple_output, recompute, host in layout]
+
+    @staticmethod
+    def _parts(plan, first_row) -> tuple:
+        """Per stage: its module, where each argument comes from, tuple output, the module
+        when it recomputes, its outputs the host keeps; and the tensors other than the
+        trainable parameters that could want a gradient (constant arguments, the stages'
+        other parameters, their buffers)."""
+        layout, others = [], []
+        wanted = {id(p) for params in plan.trainable for p in params}
         for st in plan.partition.stages:
             device, sources = plan.device_of(st.index), []
             for ref in st.args:
@@ -158,10 +189,15 @@ class Chain:
                     sources.append((1, (ref.index, 0 if ref.item is None else ref.item)))
                 else:
                     sources.append((2, ref.value))
+                    if isinstance(ref.value, torch.Tensor):
+                        others.append(ref.value)
             module = plan.module_for(st.index, 0)
-            self.stages.append((direct_forward(module), sources, st.tuple_output,
-                                module if st.recompute and plan.training else None,
-                                plan.host_outputs[st.index]))
+            layout.append((module, sources, st.tuple_output,
+                           module if st.recompute and plan.training else None,
+                           plan.host_outputs[st.index]))
+            others += [p for p in st.module.parameters() if id(p) not in wanted]
+            others += list(st.module.buffers())
+        return layout, others
 
     @staticmethod
     def fits(runner, schedule, memory) -> bool:
@@ -173,26 +209,6 @@ class Chain:
                 and not getattr(_ACTION_BY_ACTION, "on", False)
                 and memory is None and plan.training
                 and not (plan.record and any(d.type == "cuda" for d in plan.devices.values())))
-
-    @staticmethod
-    def _only_parameters_want_grad(plan, micro_inputs) -> bool:
-        """No tensor other than the stages' trainable parameters is a leaf wanting a gradient:
-        no input, constant argument, buffer or parameter left out of ``plan.trainable``."""
-        for v in micro_inputs[0] if micro_inputs else ():  # every row: pieces of the same inputs
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                return False
-        wanted = {id(p) for params in plan.trainable for p in params}
-        for st in plan.partition.stages:
-            for ref in st.args:
-                if isinstance(ref.value, torch.Tensor) and ref.value.requires_grad:
-                    return False
-            for p in st.module.parameters():
-                if p.requires_grad and id(p) not in wanted:
-                    return False
-            for b in st.module.buffers():
-                if b.requires_grad:
-                    return False
-        return True
 
     def _mark(self, s: int):
         """A hook noting when the gradient reaching stage ``s``'s input is ready (s is done)."""
@@ -213,7 +229,8 @@ class Chain:
         micro_inputs, results, keep_rows = runner.micro_inputs, runner.results, runner.keep_rows
         micro_batches = runner.micro_batches
         loss_of, loss_stage = plan.loss_of, plan.loss_stage
-        scaling, params, ipus = runner.loss_scaling, self.params, plan.stage_ipus
+        scaling, params, ipus = self.seed_value, self.params, plan.stage_ipus
+        seed = None  # one seed tensor for every micro-batch (autograd only reads it)
         named = params if self.named_inputs else None
         backward, clock = torch.autograd.backward, time.perf_counter
         outs_of: list = [None] * n
@@ -266,7 +283,10 @@ class Chain:
                     if scaling == 1.0 and loss.dim() == 0:
                         backward(loss, inputs=named)
                     else:
-                        backward(loss, torch.full_like(loss, scaling), inputs=named)
+                        if seed is None or seed.shape != loss.shape or \
+                                seed.dtype != loss.dtype or seed.device != loss.device:
+                            seed = torch.full_like(loss, scaling)
+                        backward(loss, seed, inputs=named)
             except BaseException as exc:
                 _note(exc, actions[first + n], ipus, 0)
                 raise
