@@ -429,29 +429,30 @@ class PoplarExecutor:
         if not self._options.broadcast_buffers and program.replica_modules:
             # replicas keep their own buffers across calls: a failed call restores them too
             state = torch.nn.ModuleList([self._user_model, *program.replica_modules.values()])
-        snapshot = self._snapshot.capture(state, self._optimizer, self._training)
         recorder = self._anchor_recorder(batching)
         runner = CallRunner(program, program.schedule, micro, batching.replicas,
                             self._optimizer, clock_origin=t_call, call_index=self._calls,
                             anchors=recorder, keep_rows=program.keep_rows,
                             stall_timeout=self._options.stall_timeout)
-        registrations = self._watch.count()
-        t_run = time.perf_counter()
-        try:
-            runner.run(snapshot)
-        except RuntimeError as exc:
-            if self._calls or "dtype" not in str(exc) or isinstance(exc, Error):
-                raise
-            raise InputShapeError(f"{exc}\n{compiler.dtype_hint(program.input_names, flat, self._user_model)}"
-                                  ) from exc
-        self._watch.after_call(program, snapshot, registrations)
-        t_gather = time.perf_counter()
-        if program.mutated_inputs:
-            _write_back(callers, micro, program.mutated_inputs)
-        result = _outputs(program, runner.results, micro)
-        if recorder is not None:
-            self._anchored = recorder.results(program.output_mode, batching,
-                                              program.output_period)
+        with runner.host_threads():  # the host's work beside workers: a worker's threads
+            snapshot = self._snapshot.capture(state, self._optimizer, self._training)
+            registrations = self._watch.count()
+            t_run = time.perf_counter()
+            try:
+                runner.run(snapshot)
+            except RuntimeError as exc:
+                if self._calls or "dtype" not in str(exc) or isinstance(exc, Error):
+                    raise
+                raise InputShapeError(f"{exc}\n{compiler.dtype_hint(program.input_names, flat, self._user_model)}"
+                                      ) from exc
+            self._watch.after_call(program, snapshot, registrations)
+            t_gather = time.perf_counter()
+            if program.mutated_inputs:
+                _write_back(callers, micro, program.mutated_inputs)
+            result = _outputs(program, runner.results, micro)
+            if recorder is not None:
+                self._anchored = recorder.results(program.output_mode, batching,
+                                                  program.output_period)
         self._calls += 1
         if program.record:
             self._keep_timeline(_call_timeline(self, runner, flat, t_call, t_run, t_gather))

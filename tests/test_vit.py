@@ -11,6 +11,7 @@ from ipukit.core.blocks import _BlockHook
 from ipukit.examples import mnist_pipeline
 from ipukit.examples.vit import CONFIG_PATH, ViT, num_layers_for
 from ipukit.ipuconfig.config import _Recompute
+from ipukit.runtime.executor import default_threads
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "ipu_config")
 
@@ -72,10 +73,18 @@ def _train_pipelined(config_path, seed, **vit):
                         training(x[x.shape[0] // 2:], y[x.shape[0] // 2:])[1]])
     ref_losses = []
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    for half in (slice(0, x.shape[0] // 2), slice(x.shape[0] // 2, None)):
-        ref_losses += reference_training(reference, ref_opt, x[half], y[half],
-                                         device_iterations=di, gradient_accumulation=ga,
-                                         replicas=1)
+    # the plain loop with a worker's intra-op threads, as ipukit computes and steps: AdamW
+    # turns a last-bit difference in a near-zero gradient (other threads, other summation
+    # order) into a step of up to lr
+    callers = torch.get_num_threads()
+    torch.set_num_threads(default_threads(len({s.ipu for s in training.program.partition.stages})))
+    try:
+        for half in (slice(0, x.shape[0] // 2), slice(x.shape[0] // 2, None)):
+            ref_losses += reference_training(reference, ref_opt, x[half], y[half],
+                                             device_iterations=di, gradient_accumulation=ga,
+                                             replicas=1)
+    finally:
+        torch.set_num_threads(callers)
     return model, reference, losses, torch.stack(ref_losses), training
 
 

@@ -100,6 +100,31 @@ class CallRunner:
                                                micro_inputs) if memory_track.tracking(plan) else None)
         self.memory_tracks: list = []
         self.chain: Optional[fused.Chain] = None  # a sharded call's micro-batches (_run_inline)
+        #: intra-op threads of each worker thread (a call on one thread keeps the caller's)
+        self.threads_each = (plan.threads_per_worker or default_threads(self.workers)
+                             if self.workers > 1 else None)
+
+    @contextlib.contextmanager
+    def host_threads(self):
+        """While the calling thread does the host's work of a call with worker threads
+        (the undo copy, the steps between iterations, gathering the outputs), it runs with
+        a worker's intra-op threads, and gets its own back after.
+
+        With the caller's own (all the cores), on 2 cores, an OpenMP parallel region on the
+        calling thread beside or between the workers' cost far more than its work: the
+        convnet's undo copy (AdamW, 90k weights) took 0.4-19 ms instead of 0.3 ms, and its
+        gradient reduction and step 5-30 ms instead of about 1 ms in one call of two."""
+        if self.threads_each is None:
+            yield
+            return
+        callers = torch.get_num_threads()
+        if callers != self.threads_each:
+            torch.set_num_threads(self.threads_each)
+        try:
+            yield
+        finally:
+            if callers != self.threads_each:
+                torch.set_num_threads(callers)
 
     def step(self, iteration: int) -> None:
         """Combine accumulated gradients (Mean or Sum) and step the optimiser once."""
@@ -139,7 +164,7 @@ class CallRunner:
         Raises the first error (a worker's, the step's, or Ctrl-C) once the
         state is as it was before the call.
         """
-        with self.guard, running_on_ipu():
+        with self.guard, running_on_ipu(), self.host_threads():
             try:
                 if self.workers == 1:
                     self._run_inline()
@@ -198,7 +223,7 @@ class CallRunner:
         iterations = self._iterations()
         go = [threading.Event() for _ in range(iterations)]
         finished = threading.Semaphore(0)
-        threads_each = self.plan.threads_per_worker or default_threads(self.workers)
+        threads_each = self.threads_each
         exchange = self.exchange
         lanes = len(schedule.lanes)
         per_worker: List[List[Event]] = [[] for _ in range(self.workers)]
@@ -222,17 +247,11 @@ class CallRunner:
 
         names = [f"ipukit-ipu{ipu if ipu is not None else 'all'}-replica{r}"
                  for r in range(self.replicas) for ipu in schedule.lane_ipus]
-        # the host's own work in between (the gradients' reduction, the step) runs with a
-        # worker's intra-op threads too. With the caller's (all the cores), on 2 cores, the
-        # convnet's reduction and step took 5-30 ms instead of about 1 ms in one call of
-        # two; its cause (the calling thread's OpenMP team beside the workers') not found
         pool = Pool(names, work, on_error=exchange.abort).start()
-        callers_threads = torch.get_num_threads()
-        torch.set_num_threads(threads_each)
         failure: Optional[BaseException] = None
         watch = (stall.Watchdog(self.stall_timeout, self.actions.progress)
                  if self.stall_timeout else None)
-        try:
+        try:  # the host's work in between (the reduction, the step): see host_threads
             for it in range(iterations):
                 go[it].set()
                 if watch is not None:
@@ -250,8 +269,6 @@ class CallRunner:
         except BaseException as exc:  # KeyboardInterrupt, or a failed step
             failure = exc
         finally:
-            torch.set_num_threads(callers_threads)
-
             def stop() -> None:
                 if failure is not None:
                     pool.fail(failure)
