@@ -5,7 +5,7 @@
 
 For the tutorial convnet (4 blocks, micro-batch 40) and the example ViT (8 encoder
 layers as blocks, micro-batch 32), :func:`ipukit.calibrate` measures the cost table once,
-each part alone (blocks one at a time, the per-pass gap, a hand-off ping-pong, the
+each part alone (blocks one at a time, the per-pass gap, a hand-off to a waiting worker, the
 optimiser's step on copies); then every configuration below is **measured** (the median
 of ``rounds`` rounds of ``calls`` calls, each round a freshly built model after a warm-up
 call, the rounds going over all configurations in turn) and **modeled** from that table alone

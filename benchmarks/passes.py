@@ -97,7 +97,8 @@ def passes(s: Sizes) -> Dict:
             "each stage's module call (taking its inputs, stashing for the backward, recording "
             "its span)"),
         row("passes", "one hand-off between workers (ipukit.calibrate)", table.handoff * 1e6, "µs",
-            note="half a median ping-pong through the runtime's mailboxes"),
+            note="put to take returning through the runtime's mailboxes, the receiver waiting "
+                 "while the sender runs the model's forward"),
     ]
     return {"rows": rows, "details": {"ratio": ratio, "noise": noise, "loop_ms": loop_ms,
                                       "sharded_ms": ipu_ms, "per_pass_extra_us": per_pass_extra * 1e6,

@@ -20,7 +20,8 @@ call the table will predict:
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
 - one optimiser step of the training's optimiser type, on copies of the weights;
-- one hand-off between two workers: a ping-pong through the runtime's own mailboxes;
+- one hand-off between two workers through the runtime's own mailboxes, to a worker
+  waiting while the sender goes on computing (:func:`handoff_cost`);
 - the cores the executor really has (``os.sched_getaffinity``).
 
 The result is a :class:`~ipukit.timeline.costs.CostTable`; :func:`model_call` (or
@@ -37,7 +38,7 @@ import json
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,31 +49,77 @@ from .timeline.simulate import available_cores, host_spans
 
 _CACHE: Dict[str, CostTable] = {}
 # bumped when a table's meaning changes, so tables cached on disk by an older ipukit are
-# measured again (2: the blocks also timed on a worker thread, ``on_worker``)
-_TABLE_FORMAT = 2
+# measured again (2: the blocks also timed on a worker thread, ``on_worker``; 3: the
+# hand-off to a waiting worker while the sender computes the model's forward)
+_TABLE_FORMAT = 3
 
 
-def handoff_cost(round_trips: int = 200) -> float:
-    """Seconds for one hand-off between two worker threads (half a median round trip)."""
+def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
+                 busy_seconds: float = 2e-4) -> float:
+    """Seconds from a worker's ``put`` of a message to the waiting worker's ``take`` returning.
+
+    As in a pipeline: the receiver waits in ``take`` while the sender, having put the
+    message, goes on computing: ``work()`` (:func:`calibrate` passes the model's own
+    forward), or else ``busy_seconds`` of one-thread matrix products. So the receiver
+    wakes on another core (or waits for the sender's) and takes the interpreter lock back
+    from a computing thread, and what the sender computes matters: on a 2-core VM the
+    hand-off took 19 µs while the sender slept, 50-65 µs while it multiplied matrices and
+    150 µs while it ran the convnet's forward, as the convnet's pipelined calls' own
+    hand-offs did (a median 100-140 µs from put to take returning); a ping-pong, each
+    side blocking right after sending, measured 8-25 µs. The median of the fastest half
+    of ``messages`` hand-offs, after a tenth for warm-up.
+    """
     box = Exchange()
-    trips: list = []
+    waits: list = []
+    a = torch.randn(64, 64)
 
-    def echo() -> None:
-        for i in range(round_trips):
-            box.put(("pong", i), box.take(("ping", i)))
+    def busy() -> None:
+        end = time.perf_counter() + busy_seconds
+        while time.perf_counter() < end:
+            torch.mm(a, a)
 
-    peer = threading.Thread(target=echo, name="ipukit-calibrate-handoff", daemon=True)
-    peer.start()
+    compute = work if work is not None else busy
+
+    def receive() -> None:
+        torch.set_num_threads(1)
+        for i in range(messages):
+            sent = box.take(("message", i))
+            waits.append(time.perf_counter() - sent)
+            box.put(("ready", i), None)
+
+    def send() -> None:
+        torch.set_num_threads(1)
+        for i in range(messages):
+            box.put(("message", i), time.perf_counter())
+            compute()
+            box.take(("ready", i))
+
+    threads = [threading.Thread(target=f, name=f"ipukit-calibrate-handoff-{f.__name__}",
+                                daemon=True) for f in (receive, send)]
+    for t in threads:
+        t.start()
     try:
-        for i in range(round_trips):
-            t = time.perf_counter()
-            box.put(("ping", i), i)
-            box.take(("pong", i))
-            trips.append(time.perf_counter() - t)
+        for t in threads:
+            while t.is_alive():
+                t.join(0.05)   # short waits: Ctrl-C is seen
     finally:
         box.abort()
-        peer.join()
-    return fast_median(trips[round_trips // 10:]) / 2
+        for t in threads:
+            t.join()
+    return fast_median(waits[messages // 10:]) if waits else 0.0
+
+
+def _forward_of(model: torch.nn.Module, args) -> Callable[[], object]:
+    """One forward of a copy of ``model`` (its graph built, as a pipeline's forward builds
+    it, and dropped): what a stage's worker computes while another waits for its output."""
+    import copy
+
+    twin = copy.deepcopy(model)
+
+    def forward() -> None:
+        with torch.enable_grad():
+            twin(*args)
+    return forward
 
 
 def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float:
@@ -274,24 +321,8 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         _CACHE[key] = table
         return table
     started = time.perf_counter()
-    fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(model, args, order,
-                                                                        repeats)
-    on_worker = _on_a_worker_thread(model, args, order, repeats)
-    before, after = host_spans(timeline)
-    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-    device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) \
-        else "cpu"
-    table = CostTable(
-        blocks=order, forward=fwd, backward=bwd, per_pass=_pass_gap(timeline),
-        handoff=handoff_cost(), step=step_cost(model, optimizer),
-        host_before=before, host_after=after, cores=available_cores(), device=device,
-        micro_batch=int(first.shape[0]) if first is not None else 0,
-        input_grad=input_grad, weight_grad=weight_grad,
-        concurrency=concurrency(model, args) if contention else None, on_worker=on_worker,
-        notes={"measured": "each block alone (sharded, one worker), the median of "
-                           f"{repeats} micro-batches; each block's split backward (I, W) "
-                           "alone; k passes at once on k threads (the whole model's "
-                           "forward and backward); hand-off by a two-thread ping-pong"})
+    with torch.random.fork_rng(devices=[]):  # the measurements' random draws are not the user's
+        table = _measure_table(model, args, order, repeats, optimizer, contention)
     table.notes["seconds"] = f"{time.perf_counter() - started:.3f}"
     if cache:
         _CACHE[key] = table
@@ -300,3 +331,28 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
             with open(path, "w") as f:
                 f.write(table.to_json())
     return table
+
+
+def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeats: int,
+                   optimizer, contention: bool) -> CostTable:
+    """Every part of the cost table, each measured alone (see the module docstring)."""
+    fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(model, args, order,
+                                                                        repeats)
+    on_worker = _on_a_worker_thread(model, args, order, repeats)
+    before, after = host_spans(timeline)
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) \
+        else "cpu"
+    return CostTable(
+        blocks=order, forward=fwd, backward=bwd, per_pass=_pass_gap(timeline),
+        handoff=handoff_cost(messages=30, work=_forward_of(model, args)),
+        step=step_cost(model, optimizer),
+        host_before=before, host_after=after, cores=available_cores(), device=device,
+        micro_batch=int(first.shape[0]) if first is not None else 0,
+        input_grad=input_grad, weight_grad=weight_grad,
+        concurrency=concurrency(model, args) if contention else None, on_worker=on_worker,
+        notes={"measured": "each block alone (sharded, one worker), the median of "
+                           f"{repeats} micro-batches; each block's split backward (I, W) "
+                           "alone; k passes at once on k threads (the whole model's "
+                           "forward and backward); a hand-off to a waiting worker while "
+                           "the sender runs the model's forward"})

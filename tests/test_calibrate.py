@@ -164,3 +164,20 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
     assert other is not t and other.micro_batch == 4
     tl = model_call(t, "1f1b", [["b0"], ["b1"]], micro_batches=4, samples=32)
     assert tl.modeled and tl.throughput() > 0
+
+
+def test_the_handoff_is_timed_to_a_waiting_worker_while_the_sender_computes():
+    """Each message: put, then the sender's work, while the receiver waits in take; the
+    model's forward is that work in calibrate, and its random draws are not the user's."""
+    import sys
+
+    calibration = sys.modules["ipukit.calibrate"]
+    calls = []
+    t = calibration.handoff_cost(messages=12, work=lambda: calls.append(1))
+    assert len(calls) == 12 and 0 < t < 0.5
+    assert calibration.handoff_cost(messages=12, busy_seconds=1e-4) > 0
+    net = StackNet(num_blocks=2, width=16)
+    x, y = make_data(8, width=16)
+    state = torch.get_rng_state()
+    ipukit.calibrate(net, (x, y), repeats=3, cache=False, contention=False)
+    assert torch.equal(state, torch.get_rng_state())
