@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -157,13 +157,17 @@ def _repeat(value, times: int):
 
 
 def _timed_calls(model: torch.nn.Module, batch: Tuple, options,
-                 probe=None) -> Tuple[Timeline, List[List[str]]]:
+                 probe=None, between: Sequence[Callable[[], object]] = (),
+                 more: Optional[List[Timeline]] = None) -> Tuple[Timeline, List[List[str]]]:
     """Compile and warm up a throw-away training model, then time one call.
 
     Learning rate 0 and restored weights, buffers and random state leave the
     user's model as it was; a training wrapper the user already has stays.
     ``probe(compiled)``, when given, runs after the timed call, before the state is
-    restored; its result is appended to the returned tuple.
+    restored; its result is appended to the returned tuple. Then each of ``between`` runs
+    (other measurements, which must leave the model alone), each followed by another timed
+    call, whose timeline is appended to ``more``: the same passes timed at moments seconds
+    apart.
     """
     from .model import trainingModel, training_wrapper_set_aside
 
@@ -177,7 +181,14 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple, options,
                 timing(*batch)
                 out = (timing.getTimeline(),
                        [st.blocks for st in timing.program.partition.stages])
-                return out if probe is None else out + (probe(timing),)
+                if probe is not None:
+                    out = out + (probe(timing),)
+                for measure in between:
+                    measure()
+                    timing(*batch)
+                    if more is not None:
+                        more.append(timing.getTimeline())
+                return out
             finally:
                 timing.destroy()
 
@@ -207,7 +218,7 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
 
 
 def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
-                         repeats: int = 5):
+                         repeats: int = 5, between: Sequence[Callable[[], object]] = ()):
     """:func:`measure_blocks`, plus each block's split backward timed alone.
 
     Returns ``(forward, backward, input_grad, weight_grad, timeline)``: per block, the
@@ -219,12 +230,18 @@ def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Seq
     accumulation a real ``W`` does is the full backward's (sharded run − this direct
     backward), added to ``W``. ``input_grad`` and ``weight_grad`` are None when the
     stages cannot be driven directly (inputs other than tensors).
+
+    ``between``: other measurements (leaving the model alone), each followed by another
+    timed call of the same passes; a block's forward and backward are then the median over
+    every call's passes, so a few seconds of a slower machine during one call move them
+    less (on a 2-core VM the ViT's blocks, timed once per calibration, summed 15-16 ms in
+    four calibrations of six and 21-26 ms in two).
     """
-    return _measure(model, sample_inputs, block_order, repeats, True)
+    return _measure(model, sample_inputs, block_order, repeats, True, between)
 
 
 def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], repeats: int,
-             split: bool):
+             split: bool, between: Sequence[Callable[[], object]] = ()):
     from .core.options import Options
 
     repeats = max(1, int(repeats))
@@ -236,11 +253,14 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
                                               sharded=True))
     probe = (lambda compiled: _split_probe(compiled, args, repeats)) if split else None
     with action_by_action():   # each pass timed alone, with a pipelined pass's bookkeeping
-        timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe)
+        more: List[Timeline] = []
+        timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe,
+                                                       between=between, more=more)
     halves = halves[0] if halves else None
     # the median pass: a modeled call sums typical passes (the fastest half's median ran
     # 5-11 % under the passes of the calls it predicted, on a quiet machine)
-    costs = timeline.stage_costs(statistics.median)
+    costs = (Timeline.concat([timeline] + more) if more else timeline).stage_costs(
+        statistics.median)
     per = {k: {b: 0.0 for b in block_order} for k in ("F", "B", "I", "W")}
     for s, names in enumerate(stage_blocks):
         for b in names:   # a stage holds one block here; share its time if it ever holds more

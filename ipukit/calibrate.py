@@ -50,7 +50,8 @@ from .timeline.simulate import available_cores, host_spans
 _CACHE: Dict[str, CostTable] = {}
 # bumped when a table's meaning changes, so tables cached on disk by an older ipukit are
 # measured again (2: the blocks also timed on a worker thread, ``on_worker``; 3: the
-# hand-off to a waiting worker while the sender computes the model's forward)
+# hand-off to a waiting worker while the sender computes the model's forward; the blocks
+# timed in three calls)
 _TABLE_FORMAT = 3
 
 
@@ -335,9 +336,21 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
 
 def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeats: int,
                    optimizer, contention: bool) -> CostTable:
-    """Every part of the cost table, each measured alone (see the module docstring)."""
-    fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(model, args, order,
-                                                                        repeats)
+    """Every part of the cost table, each measured alone (see the module docstring). The
+    blocks' sharded run is timed three times, before, between and after the hand-off,
+    the step and the contention: seconds apart, so a slower moment of the machine during
+    one of them moves the blocks' costs less."""
+    found: Dict[str, object] = {}
+
+    def handoff_and_step() -> None:
+        found["handoff"] = handoff_cost(messages=30, work=_forward_of(model, args))
+        found["step"] = step_cost(model, optimizer)
+
+    def contended() -> None:
+        found["concurrency"] = concurrency(model, args) if contention else None
+
+    fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(
+        model, args, order, repeats, between=(handoff_and_step, contended))
     on_worker = _on_a_worker_thread(model, args, order, repeats)
     before, after = host_spans(timeline)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
@@ -345,14 +358,13 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         else "cpu"
     return CostTable(
         blocks=order, forward=fwd, backward=bwd, per_pass=_pass_gap(timeline),
-        handoff=handoff_cost(messages=30, work=_forward_of(model, args)),
-        step=step_cost(model, optimizer),
+        handoff=found["handoff"], step=found["step"],
         host_before=before, host_after=after, cores=available_cores(), device=device,
         micro_batch=int(first.shape[0]) if first is not None else 0,
         input_grad=input_grad, weight_grad=weight_grad,
-        concurrency=concurrency(model, args) if contention else None, on_worker=on_worker,
+        concurrency=found["concurrency"], on_worker=on_worker,
         notes={"measured": "each block alone (sharded, one worker), the median of "
-                           f"{repeats} micro-batches; each block's split backward (I, W) "
-                           "alone; k passes at once on k threads (the whole model's "
-                           "forward and backward); a hand-off to a waiting worker while "
-                           "the sender runs the model's forward"})
+                           f"{repeats} micro-batches in each of three calls seconds apart; "
+                           "each block's split backward (I, W) alone; k passes at once on k "
+                           "threads (the whole model's forward and backward); a hand-off to "
+                           "a waiting worker while the sender runs the model's forward"})
