@@ -193,17 +193,6 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple, options,
                 timing.destroy()
 
 
-def fast_median(durations: Sequence[float]) -> float:
-    """The median of the fastest half: a pass's own cost, robust to a loaded machine.
-
-    Another program taking the core only ever makes a pass slower, so the slow half of
-    the repeats says more about the machine's load than about the pass; on a quiet machine
-    this is within a few per cent of the plain median.
-    """
-    fastest = sorted(durations)[:max(1, (len(durations) + 1) // 2)]
-    return statistics.median(fastest)
-
-
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                    repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
     """Forward and backward seconds of each block (the median of its passes), one micro-batch = ``sample_inputs``.

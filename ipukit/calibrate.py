@@ -16,7 +16,7 @@ call the table will predict:
 - contention: the work rate of k forward + backward passes at once on k worker
   threads, against one alone (:func:`concurrency`: fewer cores than workers, and the
   interpreter lock each pass holds for its Python side);
-- the fixed cost of one pass: the median (of the fastest half, as for the hand-off and the step) gap between consecutive passes of that same
+- the fixed cost of one pass: the median gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
 - one optimiser step of the training's optimiser type, on copies of the weights;
@@ -36,13 +36,14 @@ import hashlib
 import inspect
 import json
 import os
+import statistics
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .balance import fast_median, as_args, discover_blocks, measure_split_blocks
+from .balance import as_args, discover_blocks, measure_split_blocks
 from .runtime.workers import Exchange
 from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re-exported)
 from .timeline.simulate import available_cores, host_spans
@@ -51,7 +52,7 @@ _CACHE: Dict[str, CostTable] = {}
 # bumped when a table's meaning changes, so tables cached on disk by an older ipukit are
 # measured again (2: the blocks also timed on a worker thread, ``on_worker``; 3: the
 # hand-off to a waiting worker while the sender computes the model's forward; the blocks
-# timed in three calls)
+# timed in three calls; typical values throughout: medians, contention's mean of rounds)
 _TABLE_FORMAT = 3
 
 
@@ -67,8 +68,8 @@ def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = Non
     hand-off took 19 µs while the sender slept, 50-65 µs while it multiplied matrices and
     150 µs while it ran the convnet's forward, as the convnet's pipelined calls' own
     hand-offs did (a median 100-140 µs from put to take returning); a ping-pong, each
-    side blocking right after sending, measured 8-25 µs. The median of the fastest half
-    of ``messages`` hand-offs, after a tenth for warm-up.
+    side blocking right after sending, measured 8-25 µs. The median of ``messages``
+    hand-offs, after a tenth for warm-up.
     """
     box = Exchange()
     waits: list = []
@@ -107,7 +108,7 @@ def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = Non
         box.abort()
         for t in threads:
             t.join()
-    return fast_median(waits[messages // 10:]) if waits else 0.0
+    return statistics.median(waits[messages // 10:]) if waits else 0.0
 
 
 def _forward_of(model: torch.nn.Module, args) -> Callable[[], object]:
@@ -146,7 +147,7 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float
         t = time.perf_counter()
         opt.step()
         spans.append(time.perf_counter() - t)
-    return fast_median(spans[1:])   # the first step also creates the state
+    return statistics.median(spans[1:])   # the first step also creates the state
 
 
 def _scalar_loss(out) -> Optional[torch.Tensor]:
@@ -174,8 +175,10 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     of a pipeline's, as the blocks timed on a worker thread were: see :func:`calibrate`).
     What it holds: how many cores the workers really share, the interpreter lock every
     pass holds for its Python side (which serialises), and the slowdown of more workers
-    than cores. ``workers`` defaults to four or the cores + 2, whichever is more; the best
-    of ``rounds`` rounds counts (a neighbour's load only ever slows a round).
+    than cores. ``workers`` defaults to four or the cores + 2, whichever is more; the rate
+    of k is the mean over ``rounds`` rounds (the typical rate, as every other part of the
+    table is typical: taking each k's best round made the model of a pipelined call
+    consistently faster than the calls it predicted).
     """
     import copy
 
@@ -209,7 +212,7 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
         one(copies[0])                       # warm-up, and how long one pass takes
         one(copies[0])
         single = max(1e-6, (time.perf_counter() - t) / 2)
-        best = [0.0] * K
+        mean = [0.0] * K
         for _ in range(max(1, rounds)):
             for k in range(1, K + 1):
                 gate = threading.Barrier(k + 1)
@@ -230,9 +233,9 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
                 gate.wait()
                 for th in pool:
                     th.join()
-                best[k - 1] = max(best[k - 1], sum(rate(d) for d in done))
-    base = best[0] or 1.0
-    return [1.0] + [min(float(k), r / base) for k, r in enumerate(best[1:], start=2)]
+                mean[k - 1] += sum(rate(d) for d in done) / max(1, rounds)
+    base = mean[0] or 1.0
+    return [1.0] + [min(float(k), r / base) for k, r in enumerate(mean[1:], start=2)]
 
 
 def _on_a_worker_thread(model: torch.nn.Module, args: Tuple, order: Sequence[str],
@@ -277,7 +280,7 @@ def _pass_gap(timeline) -> float:
                     key=lambda e: e.start)
     gaps = [b.start - a.end for a, b in zip(passes, passes[1:])
             if a.iteration == b.iteration and b.start >= a.end]
-    return fast_median(gaps) if gaps else 0.0
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def _key(model: torch.nn.Module, blocks: Sequence[str], args: Tuple, repeats: int) -> str:
