@@ -114,3 +114,31 @@ def test_the_host_steps_with_a_workers_threads_and_gives_the_callers_back():
     else:  # pragma: no cover
         raise AssertionError("the step's error was not raised")
     assert torch.get_num_threads() == before     # given back after a failed call too
+
+
+def test_a_call_with_workers_copies_for_undo_and_gathers_with_a_workers_threads(monkeypatch):
+    """From the undo copy to the outputs, the calling thread of a call with workers runs at
+    a worker's intra-op threads; a one-worker (sharded) call keeps the caller's."""
+    from ipukit.runtime import update
+    from ipukit.runtime.executor import default_threads
+
+    seen = []
+    capture = update.StateSnapshot.capture
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(update.StateSnapshot, "capture", spy)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    before = torch.get_num_threads()
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        net = SleepyNet(stages=2, ms=0)
+        opts = ipukit.Options()
+        opts.Training.gradientAccumulation(4)
+        if sharded:
+            opts.setExecutionStrategy(ipukit.ShardedExecution())
+        ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.01))(x, y)
+        assert torch.get_num_threads() == before
+    assert seen == [default_threads(2), before]
