@@ -1,4 +1,6 @@
 """The calibrated cost model: laws it keeps on its own inputs, and calibrate() itself."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -107,12 +109,16 @@ def test_a_pipeline_costs_its_blocks_as_timed_on_a_worker_thread():
     assert CostTable.from_dict(both.to_dict()).on_worker == slower
 
 
-def test_a_handoff_is_paid_only_between_ipus():
+def test_a_handoff_is_paid_only_between_workers():
     t = table(per_pass=0.0, step=0.0, host_before=0.0, host_after=0.0)
     stages = [["a"], ["b"]]
     apart = model_call(t, "gpipe", stages, 1, stage_ipus=[0, 1]).wall_time
     together = model_call(t, "gpipe", stages, 1, stage_ipus=[0, 0]).wall_time
     assert apart - together == pytest.approx(2 * 0.25)   # forward over, gradient back
+    # a sharded call's one worker runs every stage in turn: no hand-off between IPUs
+    sharded = [model_call(dataclasses.replace(t, handoff=h), "sharded", stages, 4,
+                          stage_ipus=[0, 1]).wall_time for h in (0.0, 0.25)]
+    assert sharded[0] == pytest.approx(sharded[1])
 
 
 def test_fewer_cores_than_workers_serialise_the_passes():

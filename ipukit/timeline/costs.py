@@ -8,8 +8,9 @@ costs a real call pays on top of the blocks' compute:
 - every pass (forward, backward, or a split backward's half) costs its blocks' compute
   plus ``per_pass``, the fixed cost of running one action (ipukit's bookkeeping and the
   stage module's call);
-- an activation or gradient that crosses to another virtual IPU costs ``handoff`` (a
-  worker waking another); stages on the same IPU hand over for free;
+- an activation or gradient that crosses to another worker costs ``handoff`` (a
+  worker waking another); stages one worker runs (a sharded call's, several on one
+  IPU) hand over for free;
 - a split backward's halves cost their blocks' measured ``input_grad`` and
   ``weight_grad`` (the stage that takes the data has no input gradient: its ``W`` is a
   full backward of its blocks); unmeasured, ``weight_share`` of a full backward;
@@ -167,9 +168,15 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         i_cost = [(b - table.per_pass) * (1 - w) + table.per_pass for b, w in zip(bwd, share)]
         w_cost = [(b - table.per_pass) * w + table.per_pass for b, w in zip(bwd, share)]
     costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}
-    transfers = {FORWARD: [table.handoff if s and ipus[s - 1] != ipus[s] else 0.0
-                           for s in range(N)],
-                 BACKWARD: [table.handoff if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0
+    # a hand-off is one worker waking another: stages a single worker runs in turn (a
+    # sharded call's, or a looped schedule's on one IPU) pass their tensors straight on
+    lane_of: dict = {}
+    for li, lane in enumerate(schedule.lanes):
+        for a in lane:
+            lane_of.setdefault(a[1], li)
+    crosses = [s > 0 and lane_of.get(s - 1) != lane_of.get(s) for s in range(N)]
+    transfers = {FORWARD: [table.handoff if crosses[s] else 0.0 for s in range(N)],
+                 BACKWARD: [table.handoff if s < N - 1 and crosses[s + 1] else 0.0
                             for s in range(N)]}
     start = table.host_before
     notes: List[str] = []
