@@ -180,7 +180,15 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                   f"{', '.join(f'{q:.2f}' for q in ratios)})", flush=True)
     return {"tables": tables, "rows": rows, "ga": ga, "di": di, "calls": calls,
             "rounds": rounds, "cores": available_cores(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load": os.getloadavg()}
+            "torch": torch.__version__, "load": os.getloadavg(), "device": _device_name()}
+
+
+def _device_name() -> str:
+    """Where ipukit's default mapping puts the virtual IPUs: every one on the first GPU
+    where CUDA is there (``deviceMapping``'s default), else the CPU."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA-event spans)"
+    return "CPU"
 
 
 def _inside(row: Dict) -> bool:
@@ -196,7 +204,8 @@ def _in_spread(row: Dict) -> bool:
 def report(result: Dict) -> str:
     rounds = result.get("rounds", 1)
     threads = result.get("threads")
-    lines = [f"# Calibrated model vs measurement ({result['cores']} cores, "
+    lines = [f"# Calibrated model vs measurement ({result.get('device', 'CPU')}, "
+             f"{result['cores']} cores, "
              f"{threads} intra-op thread{'s' * (threads != 1)} on the calling thread, torch "
              f"{result['torch']}, GA {result['ga']}, DI {result['di']}; measured: the median of "
              f"{rounds} rounds × {result['calls']} calls, each round a freshly built model; "

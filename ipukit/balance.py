@@ -270,6 +270,7 @@ def _split_probe(compiled, args: Tuple, repeats: int):
     """Per stage of ``compiled`` (a one-block-per-stage training model): median seconds of
     a direct full backward, of ``I`` and of ``W`` (None if the stages cannot be driven)."""
 
+    from .runtime.gpu_clock import on_device_of, settle
     from .runtime.split_backward import backward_input, backward_weight
 
     if not all(isinstance(a, torch.Tensor) for a in args):
@@ -294,10 +295,12 @@ def _split_probe(compiled, args: Tuple, repeats: int):
                 elif ref.kind == "stage":
                     v = item(outputs[ref.index], ref.item)
                     if isinstance(v, torch.Tensor):
-                        v = v.detach().requires_grad_(v.is_floating_point())
+                        v = on_device_of(stage.parameters, (v.detach(),))[0]
+                        v = v.requires_grad_(v.is_floating_point())
                 else:
                     v = ref.value
                 stage_args.append(v)
+            stage_args = list(on_device_of(stage.parameters, stage_args))  # a GPU's stage
             params = [p for p in stage.parameters if p.requires_grad]
             inputs = [v for v in stage_args if isinstance(v, torch.Tensor) and v.requires_grad]
             used = sorted({i for c, _, i in partition.consumers(stage.index)},
@@ -315,14 +318,18 @@ def _split_probe(compiled, args: Tuple, repeats: int):
                     grads = [torch.ones_like(t) for t in seeds]
                     if not seeds:
                         continue
+                    settle(seeds)
                     t0 = time.perf_counter()
                     if half == "B":
                         torch.autograd.grad(seeds, inputs + params, grads, allow_unused=True)
+                        settle(seeds)
                         spans["B"].append(time.perf_counter() - t0)
                         continue
                     _, pending = backward_input(seeds, grads, inputs, params)
+                    settle(seeds)
                     t1 = time.perf_counter()
                     backward_weight(pending, params)
+                    settle(seeds)
                     t2 = time.perf_counter()
                     spans["I"].append(t1 - t0)
                     spans["W"].append(t2 - t1)

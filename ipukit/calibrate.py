@@ -24,6 +24,12 @@ call the table will predict:
   waiting while the sender goes on computing (:func:`handoff_cost`);
 - the cores the executor really has (``os.sched_getaffinity``).
 
+On a GPU the blocks' passes are timed with CUDA events, as in any call; what is timed with
+the host's clock outside a call waits for the GPU at both ends (the split backward's
+halves, the step), and the contention's passes queue ahead as a pipeline's workers do,
+the GPU waited for once at the end of each thread's window. Host sample inputs are moved to
+the weights' device where a measurement runs the model directly.
+
 The result is a :class:`~ipukit.timeline.costs.CostTable`; :func:`model_call` (or
 ``table`` passed to the explorer) turns it into the modeled timeline of any schedule
 and split. Tables are cached per process, keyed by the model's structure, the blocks,
@@ -44,6 +50,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .balance import as_args, discover_blocks, measure_split_blocks
+from .runtime.gpu_clock import on_device_of, settle
 from .runtime.workers import Exchange
 from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re-exported)
 from .timeline.simulate import available_cores, host_spans
@@ -117,6 +124,7 @@ def _forward_of(model: torch.nn.Module, args) -> Callable[[], object]:
     import copy
 
     twin = copy.deepcopy(model)
+    args = on_device_of(twin.parameters(), args)
 
     def forward() -> None:
         with torch.enable_grad():
@@ -144,8 +152,10 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float
                                           if k in accepted and k != "params"})
     spans = []
     for _ in range(repeats + 1):
+        settle(params)
         t = time.perf_counter()
         opt.step()
+        settle(params)
         spans.append(time.perf_counter() - t)
     return statistics.median(spans[1:])   # the first step also creates the state
 
@@ -188,6 +198,7 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     cores = available_cores()
     K = int(workers) if workers else max(4, cores + 2)
     copies = [copy.deepcopy(model) for _ in range(K)]
+    args = on_device_of(copies[0].parameters(), args)
 
     def one(m: torch.nn.Module) -> None:
         loss = _scalar_loss(m(*args))
@@ -203,14 +214,21 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
             done.append(now)
             if now >= end and len(done) >= 3:
                 break
+        # on a GPU the host queues passes ahead, as a pipeline's workers do (they never
+        # wait for the device): the last pass is done when the queue has drained
+        settle(list(m.parameters()))
+        done[-1] = time.perf_counter()
 
     def rate(done: List[float]) -> float:
         return (len(done) - 1) / (done[-1] - done[0]) if done[-1] > done[0] else 0.0
 
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        t = time.perf_counter()
         one(copies[0])                       # warm-up, and how long one pass takes
+        settle(list(copies[0].parameters()))
+        t = time.perf_counter()
         one(copies[0])
+        one(copies[0])
+        settle(list(copies[0].parameters()))
         single = max(1e-6, (time.perf_counter() - t) / 2)
         mean = [0.0] * K
         for _ in range(max(1, rounds)):

@@ -72,6 +72,32 @@ def test_a_second_model_of_a_module_already_on_cuda_compiles():
     assert out.shape == (4, 4)
 
 
+
+def test_calibrate_on_cuda_times_the_gpu_work_and_leaves_the_model_as_it_was():
+    """``ipukit.calibrate`` of a model whose virtual IPUs map to the GPU (the default with
+    CUDA): host sample inputs are moved to the weights' device for the measurements made
+    outside a call, every cost is positive, each block's forward is not less than its
+    work's queueing time alone (the host clock waits for the GPU), and the weights and the
+    random state are those before."""
+    torch.manual_seed(0)
+    model = StackNet(4, ipus=[0, 1, 2, 3])
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    x, y = make_data(16)
+    state = torch.random.get_rng_state()
+    table = ipukit.calibrate(model, (x[:8], y[:8]), cache=False,
+                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert table.device.startswith("cuda")
+    assert all(f > 0 for f in table.forward) and all(b > 0 for b in table.backward)
+    assert table.step > 0 and table.handoff > 0 and table.concurrency[0] == 1.0
+    assert table.input_grad is not None and all(v > 0 for v in table.input_grad)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    after = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    from ipukit.calibrate import model_call
+
+    assert model_call(table, "1f1b", [[b] for b in table.blocks], 4).wall_time > 0
+
+
 def test_process_recorder_times_spans_with_cuda_events_not_a_sync_per_action(monkeypatch):
     """Stages as processes (runtime._Recorder) on CUDA: each span is a placeholder until the
     call's one resolve(); the only synchronisations are the clock's reference (its first

@@ -54,3 +54,23 @@ class GpuClock:
             stop = t_ref + ref.elapsed_time(end) / 1e3 - t0
             events[index] = events[index]._replace(start=start, end=max(start, stop))
         self._pending.clear()
+
+
+def settle(tensors) -> None:
+    """Wait for the GPU work queued on the devices ``tensors`` live on (none on a CPU).
+
+    A host clock read after a launch says when the work was queued; timing a piece of
+    GPU work alone with the host's clock (the calibration's measurements outside a call)
+    needs the queue empty at both ends."""
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+def on_device_of(tensors, args: tuple) -> tuple:
+    """``args`` with each tensor moved to the device of the first of ``tensors`` (a
+    module's parameters, say); unchanged where there are none."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return tuple(args)
+    return tuple(a.to(first.device) if isinstance(a, torch.Tensor) else a for a in args)
