@@ -13,9 +13,9 @@ PY=${PY:-python3}
 } 2>&1 | tee "$OUT/machine.txt"
 echo "== GPU-marked tests"
 timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/tests.txt" | tail -15
+echo "== one-GPU check"
+timeout 90 $PY -m benchmarks.gpu_check 2>&1 | tee "$OUT/gpu_check.txt"
 echo "== calibration table on CUDA"
 timeout 300 $PY -m benchmarks.calibration --out "$OUT/cal" 2>&1 | tee "$OUT/calibration.log" | grep -v "^|" | tail -30
 cp "$OUT/cal/calibration.md" "$OUT/calibration_cuda.md" 2>/dev/null
 cp "$OUT/cal/calibration.json" "$OUT/calibration_cuda.json" 2>/dev/null
-echo "== one-GPU check"
-timeout 90 $PY -m benchmarks.gpu_check 2>&1 | tee "$OUT/gpu_check.txt"

@@ -91,3 +91,34 @@ def test_with_loss_scaling_the_chain_seeds_the_scaling_and_the_step_unscales():
     reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, device_iterations=di,
                        gradient_accumulation=ga, replicas=1)
     assert max_weight_diff(net, ref) < 1e-5
+
+
+class _Reading:
+    """A stand-in for a CUDA event: a reading that only ``seconds`` turns into a time."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+
+def test_chain_events_turn_readings_into_times_where_the_chain_ran_on_a_gpu():
+    """On CUDA the chain's clock readings are events, turned into times only when the
+    timeline is built (``chain_events(..., seconds=)``): the same events as from the times
+    themselves, hooked micro-batches' marks (and the marks never reached) included."""
+    from ipukit.runtime.fused import chain_events
+
+    model, _ = _sharded(ga=16, di=2)
+    x, y = make_data(16 * 2 * 4)
+    chain = _chain_of(model, x, y)
+    records, ipus, seconds = chain.spans()
+    assert seconds is None  # on a CPU the readings are the host's clock
+    assert any(marks is not None for *_, marks in records)
+
+    def wrap(v):
+        return None if v is None else _Reading(v)
+
+    readings = [(a, [wrap(t) for t in times], wrap(end),
+                 None if marks is None else [wrap(m) for m in marks])
+                for a, times, end, marks in records]
+    t0 = records[0][1][0]
+    assert chain_events(readings, ipus, t0, 0, seconds=lambda r: r.t) == \
+        chain_events(records, ipus, t0, 0)

@@ -213,3 +213,50 @@ def test_two_processes_on_cuda_time_the_pipeline_with_events(tmp_path):
         track = sorted((start, end) for s, k, m, it, i, start, end in results[0]["events"]
                        if i == ipu and k in ("forward", "backward"))
         assert all(x[1] <= y[0] + 1e-6 for x, y in zip(track, track[1:]))
+
+
+def test_a_sharded_call_on_one_gpu_runs_as_a_chain_timed_by_events_without_waiting(monkeypatch):
+    """A sharded call with the timeline on, every stage on the one GPU, runs as a chain
+    (one backward per micro-batch) whose clock readings are CUDA events: the call waits
+    for the GPU only for the clock's reference and when the timeline is read, not once per
+    micro-batch; the passes are in order on one track and the weights are a plain loop's."""
+    from ipukit.runtime import fused
+
+    ran = []
+    run = fused.Chain.run
+    monkeypatch.setattr(fused.Chain, "run", lambda self, actions: (ran.append(self),
+                                                                   run(self, actions))[1])
+    ga, di = 8, 2
+    model, ref, tm = None, None, None
+    torch.manual_seed(0)
+    model = StackNet(4, ipus=[0, 1, 2, 3])
+    ref = clone_model(model).cuda()
+    opts = ipukit.Options().deviceIterations(di).deviceMapping(["cuda:0"])
+    opts.Training.gradientAccumulation(ga)
+    opts.setExecutionStrategy(ipukit.ShardedExecution())
+    tm = ipukit.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = make_data(2 * ga * di)
+    tm(x, y)           # compiles; the clock's reference is taken
+    syncs = []
+    synchronize = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: (syncs.append(device), synchronize(device))[1])
+    torch.manual_seed(0)
+    fresh = StackNet(4, ipus=[0, 1, 2, 3])
+    ref.load_state_dict(fresh.state_dict())
+    model.load_state_dict(fresh.state_dict())
+    tm(x, y)
+    during = len(syncs)
+    tl = tm.getTimeline()
+    assert ran and during <= 1, during
+    passes = sorted((e for e in tl.events if e.kind in ("forward", "backward")),
+                    key=lambda e: e.start)
+    assert len(passes) == 2 * 4 * ga * di
+    assert all(0 <= e.start <= e.end for e in passes)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(passes, passes[1:]))
+    first = [(e.kind, e.stage) for e in passes if e.micro_batch == 0 and e.iteration == 0]
+    assert first == [("forward", s) for s in range(4)] + \
+        [("backward", s) for s in reversed(range(4))]
+    reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x.cuda(), y.cuda(),
+                       device_iterations=di, gradient_accumulation=ga, replicas=1)
+    assert max_weight_diff(model, ref) < 1e-5

@@ -354,7 +354,8 @@ class CallRunner:
 
         def build() -> Timeline:
             clock.resolve(t0)
-            every = lanes + ([fused.chain_events(*spans, t0, call)] if spans else [])
+            every = lanes + ([fused.chain_events(spans[0], spans[1], t0, call, seconds=spans[2])]
+                             if spans else [])
             events = sorted((e for lane in every for e in lane), key=lambda e: (e.start, e.ipu))
             return Timeline(events, modeled=False, meta=meta, memory=memory)
         return build

@@ -160,6 +160,13 @@ class Chain:
         self.named_inputs = any(t.requires_grad for t in others) or any(
             isinstance(v, torch.Tensor) and v.requires_grad for v in first_row)
         self.record = plan.record
+        # on a GPU a reading is a CUDA event on the stages' one device (see :meth:`fits`),
+        # turned into a time when the timeline is built: no wait for the GPU in the call
+        gpu = [d for d in {plan.device_of(s) for s in range(n)} if d.type == "cuda"] \
+            if plan.record else []
+        gpu_clock = runner.clock  # (the timeline keeps only the clock, not the call's runner)
+        self.clock = (lambda: gpu_clock.mark(gpu[0])) if gpu else time.perf_counter
+        self.seconds = (lambda e: gpu_clock.seconds(gpu[0], e)) if gpu else None
         self.marks: List = [None] * n  # per stage: when the gradient reached its input
         #: per micro-batch: (its first action, forward clock readings, backward end, the
         #: stages' marks when it was hooked, else None)
@@ -203,16 +210,20 @@ class Chain:
     def fits(runner, schedule, memory) -> bool:
         """Whether this call can run as a chain: one thread, a chained schedule, gradients
         into ``p.grad`` (:attr:`FusedBackward.grads_in_params`), no memory tracker (it
-        measures the action-by-action path) and no CUDA clock to read."""
+        measures the action-by-action path), and a timeline on CUDA only where every stage is
+        on the one GPU (its readings are CUDA events on that device's stream)."""
         fused, plan = runner.fused, runner.plan
+        devices = {plan.device_of(s) for s in range(plan.partition.num_stages)}
         return (fused is not None and fused.grads_in_params and schedule.chained
                 and not getattr(_ACTION_BY_ACTION, "on", False)
                 and memory is None and plan.training
-                and not (plan.record and any(d.type == "cuda" for d in plan.devices.values())))
+                and not (plan.record and any(d.type == "cuda" for d in devices)
+                         and len(devices) > 1))
 
     def _mark(self, s: int):
-        """A hook noting when the gradient reaching stage ``s``'s input is ready (s is done)."""
-        marks, clock = self.marks, time.perf_counter
+        """A hook noting when the gradient reaching stage ``s``'s input is ready (s is done):
+        on a GPU, an event recorded on autograd's stream at that point of the pass."""
+        marks, clock = self.marks, self.clock
 
         def hook(_grad) -> None:
             marks[s] = clock()
@@ -232,7 +243,7 @@ class Chain:
         scaling, params, ipus = self.seed_value, self.params, plan.stage_ipus
         seed = None  # one seed tensor for every micro-batch (autograd only reads it)
         named = params if self.named_inputs else None
-        backward, clock = torch.autograd.backward, time.perf_counter
+        backward, clock = torch.autograd.backward, self.clock
         outs_of: list = [None] * n
         records, every = self.records, 2 * n * self.SAMPLE
         # the hooked ones: the second of every SAMPLE (the first follows the step: colder)
@@ -299,15 +310,22 @@ class Chain:
 
     def spans(self):
         """What :func:`chain_events` turns into the call's events (nothing else of the call)."""
-        return self.records, self.runner.plan.stage_ipus
+        return self.records, self.runner.plan.stage_ipus, self.seconds
 
 
-def chain_events(records: list, ipus: List[int], t0: float, call_index: int) -> List[Event]:
+def chain_events(records: list, ipus: List[int], t0: float, call_index: int,
+                 seconds=None) -> List[Event]:
     """A :class:`Chain`'s micro-batches as events: each forward between consecutive clock
     readings; each stage's share of a hooked micro-batch's backward from its successor's
     end to its own, and of every other micro-batch's backward in the proportions the hooked
-    ones measured (on average)."""
+    ones measured (on average). ``seconds``: what turns a reading into a time, where the
+    readings are CUDA events (after the GPU has finished)."""
     n, events = len(ipus), []
+    if seconds is not None:
+        def at(e):
+            return None if e is None else seconds(e)
+        records = [(a, [at(t) for t in times], at(end), None if marks is None else
+                    [at(m) for m in marks]) for a, times, end, marks in records]
     measured, sums = {}, [0.0] * n
     for i, (_, times, end, marks) in enumerate(records):
         if marks is None:

@@ -55,6 +55,11 @@ class GpuClock:
             events[index] = events[index]._replace(start=start, end=max(start, stop))
         self._pending.clear()
 
+    def seconds(self, device: torch.device, event: "torch.cuda.Event") -> float:
+        """The host-clock time of ``event``, recorded on ``device`` (after :meth:`resolve`)."""
+        ref, t_ref = self._refs[device]
+        return t_ref + ref.elapsed_time(event) / 1e3
+
 
 def settle(tensors) -> None:
     """Wait for the GPU work queued on the devices ``tensors`` live on (none on a CPU).
