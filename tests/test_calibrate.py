@@ -121,6 +121,27 @@ def test_a_handoff_is_paid_only_between_workers():
     assert sharded[0] == pytest.approx(sharded[1])
 
 
+
+def test_the_host_steps_once_per_iteration_whatever_the_split():
+    """The executor steps every stage at once on the host: a sharded call's one worker, on
+    1 or 4 IPUs, pays one step per iteration (its stages' step actions add up to one), as
+    a looped schedule's worker with two stages on an IPU does; a pipeline's workers wait
+    for the same one step side by side."""
+    t = table(per_pass=0.0, handoff=0.0, step=7.0, host_before=0.0, host_after=0.0)
+    blocks = t.blocks
+    for kind, stages, ipus in (("sharded", [blocks], [0]),
+                               ("sharded", even_split(blocks, 2), [0, 1]),
+                               ("gpipe", even_split(blocks, 2), [0, 1])):
+        with_step = model_call(t, kind, stages, 4, iterations=3, stage_ipus=ipus).wall_time
+        without = model_call(dataclasses.replace(t, step=0.0), kind, stages, 4, iterations=3,
+                             stage_ipus=ipus).wall_time
+        assert with_step - without == pytest.approx(3 * 7.0), kind
+        steps = [e for e in model_call(t, kind, stages, 4, iterations=3,
+                                       stage_ipus=ipus).events if e.kind == "step"]
+        lanes = 1 if kind == "sharded" else len(stages)
+        assert sum(e.end - e.start for e in steps) == pytest.approx(3 * 7.0 * lanes)
+
+
 def test_fewer_cores_than_workers_serialise_the_passes():
     t = table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0)
     stages = even_split(t.blocks, 2)
