@@ -250,7 +250,7 @@ def report(result: Dict) -> str:
                          f"{r.get('spread', 0) * 100:.0f} %"
                          f"{', modeled inside it' if _in_spread(r) else ''}, "
                          f"load {r.get('load', 0):.1f}): "
-                         f"{_cause(r, result['cores'])}")
+                         f"{_cause(r, result['cores'], result.get('device', 'CPU'))}")
         lines.append("")
     lines += ["Cost tables (seconds): " + "; ".join(
         f"{k}: per pass {v['per_pass'] * 1e6:.0f} µs, hand-off {v['handoff'] * 1e6:.0f} µs, "
@@ -279,10 +279,15 @@ def _split_ratio(table: Dict) -> List[str]:
             zip(table["input_grad"], table["weight_grad"], table["backward"])]
 
 
-def _cause(row: Dict, cores: int) -> str:
+def _cause(row: Dict, cores: int, device: str = "CPU") -> str:
     """What the model leaves out for a row outside a goal (a hint, from the row itself)."""
     causes = []
-    if row.get("workers", 1) > cores:
+    if device != "CPU" and row.get("workers", 1) > 1:
+        causes.append("every virtual IPU is on the one GPU, and a small pass is mostly the "
+                      "host's work (Python and kernel launches) that the workers' threads "
+                      "take turns at under the interpreter lock; the calibrated contention "
+                      "is that of whole-model passes, which overlap better")
+    elif row.get("workers", 1) > cores:
         causes.append(f"{row['workers']} workers on {cores} cores: the model shares the cores "
                       "at the average calibrated rate; which worker the interpreter lock and "
                       "the scheduler favour is not modeled")
@@ -291,7 +296,9 @@ def _cause(row: Dict, cores: int) -> str:
                       "whole model's forward and backward, not these stages'")
     if row["kind"] in ("zb-h1", "zbv", "dualpipev"):
         causes.append("split backward: I and W measured alone; interleaved with other "
-                      "workers' passes they stretch more than a full backward")
+                      "workers' passes they stretch more than a full backward (the "
+                      "convnet's ZBV on 2 CPU cores: its I and W passes ran 1.1-3.0× their "
+                      "calibrated costs, its passes together 1.41×)")
     if row.get("load", 0) > cores:
         causes.append(f"the machine was loaded (load {row['load']:.1f} on {cores} cores)")
     return "; ".join(causes) or "noise (one worker: nothing shared)"
