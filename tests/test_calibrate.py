@@ -208,3 +208,17 @@ def test_the_handoff_is_timed_to_a_waiting_worker_while_the_sender_computes():
     state = torch.get_rng_state()
     ipukit.calibrate(net, (x, y), repeats=3, cache=False, contention=False)
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_measurements_outside_a_call_take_their_inputs_where_the_weights_are():
+    """``gpu_clock.on_device_of``: a calibration's direct measurements move host sample
+    inputs to the weights' device (here the meta device stands in for a GPU) and leave
+    what is not a tensor; ``settle`` waits for nothing on a CPU."""
+    from ipukit.runtime.gpu_clock import on_device_of, settle
+
+    weight = torch.nn.Parameter(torch.empty(2, device="meta"))
+    x, moved = torch.randn(3), on_device_of([weight], (torch.randn(3), 7, None))
+    assert moved[0].device.type == "meta" and moved[1:] == (7, None)
+    assert on_device_of([], (x,))[0] is x
+    assert on_device_of([torch.zeros(1)], (x,))[0] is x
+    settle([x, weight, "not a tensor"])
