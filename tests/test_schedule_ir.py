@@ -132,3 +132,21 @@ def test_core_limit_delays_and_unlimited_replicas_run_alike():
     assert max(ends) == 16.0
     spans = sorted(t for r in one_core for lane in r for t in lane if t[1] > t[0])
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv",
+                                  "dualpipev", "looped-bfs"])
+def test_a_core_per_worker_times_every_action_as_unlimited_cores(kind):
+    """The two ways the walk runs (a core per worker, and a limit on cores) agree where the
+    limit leaves every worker a core: same rules, same times, with uneven costs, split
+    halves, transfers, steps and two iterations."""
+    import random
+
+    n = 4
+    s = build(kind, n, 8, 2)
+    rng = random.Random(kind)
+    costs = {k: [rng.uniform(0.2, 3.0) for _ in range(n)] for k in "FBIWS"}
+    transfers = {k: [rng.uniform(0.0, 0.5) for _ in range(n)] for k in "FB"}
+    free = walk(s.lanes, n, costs, transfers, 0.25)
+    limited = walk(s.lanes, n, costs, transfers, 0.25, cores=len(s.lanes))
+    assert limited == free
