@@ -75,3 +75,67 @@ def test_median_ratio_is_the_ratio_of_medians_with_a_bootstrap_noise():
     assert noise > 0 and median_ratio(a, b) == (ratio, noise)  # seeded: reproducible
     assert median_ratio([1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]) == (0.5, 0.0)
     assert math.isnan(median_ratio([1.0], [2.0])[1])
+
+
+def test_calibration_replay_of_a_one_worker_call_is_the_sum_of_its_own_passes():
+    """A sharded call's replay (benchmarks.calibration.replay) plays the call's median passes
+    on one lane: its set-up, every micro-batch's forward and backward of every stage, and
+    one step per iteration (drawn on every stage's IPU, run once), then its gathering."""
+    import statistics
+
+    import torch
+
+    import ipukit
+    from benchmarks.calibration import replay
+    from ipukit.timeline.simulate import host_spans
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            with ipukit.Block("a"):
+                x = torch.relu(self.a(x))
+            with ipukit.Block("b"):
+                loss = ((self.b(x) - y) ** 2).mean()
+            return x, loss
+
+    net = Net()
+    opts = ipukit.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(3)
+    opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.Stage("a").ipu(0),
+                                                      ipukit.Stage("b").ipu(1)))
+    model = ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        model(torch.randn(24, 8), torch.randn(24, 1))
+        tl = model.getTimeline()
+    finally:
+        model.destroy()
+    c = tl.stage_costs(statistics.median)
+    before, after = host_spans(tl)
+    step = statistics.median(e.duration for e in tl.events if e.kind == "step")
+    expected = before + 2 * (3 * (sum(c["forward"]) + sum(c["backward"])) + step) + after
+    assert math.isclose(replay(tl, "sharded", [0, 1]), expected, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
+    from benchmarks.calibration import report
+
+    def row(config, ratio, passes, rest, workers):
+        return {"model": "m", "config": config, "kind": "1f1b", "workers": workers,
+                "load": 0.5, "measured_ms": 100.0, "modeled_ms": 100.0 * ratio,
+                "round_ms": [100.0], "round_ratios": [ratio], "spread": 0.0, "ratio": ratio,
+                "model_vs_replay": passes, "replay_vs_measured": rest,
+                "busy_measured": [0.5, 0.5], "busy_modeled": [0.5, 0.5], "busy_gap_points": 0}
+
+    text = report({"rows": [row("a", 0.70, 0.95, 0.74, 2), row("b", 1.30, 1.35, 0.96, 2),
+                            row("c", 1.0, 1.0, 1.0, 2)],
+                   "tables": {}, "ga": 8, "di": 2, "calls": 3, "rounds": 1, "cores": 2,
+                   "threads": 2, "torch": "x", "device": "CPU"})
+    assert "| 0.70 ✗ (0.70) | 0.95 | 0.74 |" in text
+    assert "- m, a (ratio 0.70" in text and "mostly time outside the passes" in text
+    assert "- m, b (ratio 1.30" in text and "the table modeled them at 1.35×" in text
+    assert "- m, c (" not in text
