@@ -126,6 +126,8 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
         modeled: List[list] = [[] for _ in chosen]
         loads: List[List[float]] = [[] for _ in chosen]
         seconds: List[float] = []
+        stretches: List[list] = [[] for _ in chosen]
+
         def measure_table():
             t0 = time.perf_counter()
             table = calibrate(net, (x, y), blocks,
@@ -158,6 +160,8 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                     model.destroy()
                 walls[i].append(got)
                 loads[i].append(os.getloadavg()[0])
+                stretches[i].append(pass_stretch(timelines[i][-calls:], table, kind, stages,
+                                                 ipus))
         for i, (label, kind, stages, ipus) in enumerate(chosen):
             every = [w for got in walls[i] for w in got]
             measured = statistics.median(every)
@@ -187,6 +191,8 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                              m.wall_time / q for m, q in zip(modeled[i], replays)),
                          "replay_vs_measured": statistics.median(
                              q / w for q, w in zip(replays, per_round)),
+                         "pass_stretch": {k: statistics.median(r[k] for r in stretches[i])
+                                          for k in stretches[i][0]},
                          "busy_measured": busy_m, "busy_modeled": busy_p,
                          "busy_gap_points": max(abs(a - b) for a, b in zip(busy_m, busy_p)) * 100
                          if len(busy_m) == len(busy_p) else None})
@@ -197,6 +203,21 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
     return {"tables": tables, "rows": rows, "ga": ga, "di": di, "calls": calls,
             "rounds": rounds, "per_row": per_row, "cores": available_cores(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "load": os.getloadavg(), "device": _device_name()}
+
+
+def pass_stretch(timelines, table, kind: str, stages, ipus) -> Dict[str, float]:
+    """Each stage's passes in these calls (the median of each kind) ÷ what the table says
+    the pass costs alone (its blocks' costs plus the per-pass cost, on a worker thread for
+    a call whose workers run at once), keyed "stage kind"."""
+    concurrent = kind != "sharded" and len(set(ipus)) > 1
+    costs = table.stage_costs(stages, on_worker=concurrent)
+    spans: Dict[tuple, List[float]] = {}
+    for tl in timelines:
+        for e in tl.device_events():
+            if e.kind in costs:
+                spans.setdefault((e.stage, e.kind), []).append(e.duration)
+    return {f"{s} {k}": statistics.median(v) / costs[k][s]
+            for (s, k), v in sorted(spans.items()) if costs[k][s] > 0}
 
 
 def replay(timeline, kind: str, ipus) -> float:
@@ -335,6 +356,12 @@ def _cause(row: Dict, cores: int, device: str = "CPU") -> str:
             causes.append(f"mostly time outside the passes: the call's own passes replayed on "
                           f"its schedule explain {rest:.0%} of its time (the table modeled the "
                           f"passes at {passes:.2f}× the call's own)")
+    stretch = row.get("pass_stretch") or {}
+    if stretch:
+        worst = max(stretch, key=lambda k: abs(stretch[k] - 1))
+        causes.append(f"its passes ran {min(stretch.values()):.2f}–{max(stretch.values()):.2f}× "
+                      f"their calibrated costs alone (furthest: stage {worst}, "
+                      f"{stretch[worst]:.2f}×)")
     if device != "CPU" and row.get("workers", 1) > 1:
         causes.append("every virtual IPU is on the one GPU, and a small pass is mostly the "
                       "host's work (Python and kernel launches) that the workers' threads "
