@@ -171,7 +171,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
             # the call's own passes replayed on its schedule, round by round: what the
             # cost table got wrong about the passes (model ÷ replay), and what the passes
             # alone leave out of the call (replay ÷ measured: waits, hand-offs, cores)
-            replays = [statistics.median(replay(tl, kind, ipus) for tl in
+            replays = [statistics.median(replay(tl) for tl in
                                          timelines[i][r * calls:(r + 1) * calls])
                        for r in range(len(per_round))]
             middle = ratios.index(sorted(ratios)[len(ratios) // 2])
@@ -220,17 +220,11 @@ def pass_stretch(timelines, table, kind: str, stages, ipus) -> Dict[str, float]:
             for (s, k), v in sorted(spans.items()) if costs[k][s] > 0}
 
 
-def replay(timeline, kind: str, ipus) -> float:
+def replay(timeline) -> float:
     """The call's own passes (each stage's median forward, backward, split halves and
     step, as measured in it) replayed on its schedule with a core per worker and no
     hand-off cost (:func:`ipukit.model_like`): the time its passes alone explain."""
-    costs = timeline.stage_costs(statistics.median)
-    n = len(costs["forward"])
-    # the host steps once per iteration; the timeline draws that step on every stage's
-    # IPU, and a lane (one worker) holding several stages runs their step actions in turn
-    share = [n if kind == "sharded" else ipus.count(ipus[s]) for s in range(n)]
-    costs["step"] = [v / k for v, k in zip(costs.get("step") or [0.0] * n, share)]
-    return ipukit.model_like(timeline, costs=costs).wall_time
+    return ipukit.model_like(timeline).wall_time
 
 
 def _device_name() -> str:

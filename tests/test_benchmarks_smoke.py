@@ -77,50 +77,6 @@ def test_median_ratio_is_the_ratio_of_medians_with_a_bootstrap_noise():
     assert math.isnan(median_ratio([1.0], [2.0])[1])
 
 
-def test_calibration_replay_of_a_one_worker_call_is_the_sum_of_its_own_passes():
-    """A sharded call's replay (benchmarks.calibration.replay) plays the call's median passes
-    on one lane: its set-up, every micro-batch's forward and backward of every stage, and
-    one step per iteration (drawn on every stage's IPU, run once), then its gathering."""
-    import statistics
-
-    import torch
-
-    import ipukit
-    from benchmarks.calibration import replay
-    from ipukit.timeline.simulate import host_spans
-
-    torch.manual_seed(0)
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
-
-        def forward(self, x, y):
-            with ipukit.Block("a"):
-                x = torch.relu(self.a(x))
-            with ipukit.Block("b"):
-                loss = ((self.b(x) - y) ** 2).mean()
-            return x, loss
-
-    net = Net()
-    opts = ipukit.Options().deviceIterations(2)
-    opts.Training.gradientAccumulation(3)
-    opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.Stage("a").ipu(0),
-                                                      ipukit.Stage("b").ipu(1)))
-    model = ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
-    try:
-        model(torch.randn(24, 8), torch.randn(24, 1))
-        tl = model.getTimeline()
-    finally:
-        model.destroy()
-    c = tl.stage_costs(statistics.median)
-    before, after = host_spans(tl)
-    step = statistics.median(e.duration for e in tl.events if e.kind == "step")
-    expected = before + 2 * (3 * (sum(c["forward"]) + sum(c["backward"])) + step) + after
-    assert math.isclose(replay(tl, "sharded", [0, 1]), expected, rel_tol=1e-9, abs_tol=1e-12)
-
-
 def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
     from benchmarks.calibration import report
 

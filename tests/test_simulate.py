@@ -275,3 +275,47 @@ def test_compare_with_a_table_cuts_the_real_blocks_on_the_same_ipus():
     assert four["1f1b"].available and four["1f1b"].ipus == 4
     # the first stage on its own (one IPU) has no input gradient to compute
     assert two["zbv"].timeline.meta["calibrated"]
+
+
+def test_model_like_replays_a_one_worker_call_as_the_sum_of_its_own_passes():
+    """A sharded call modeled like itself plays its median passes on one lane: its set-up,
+    every micro-batch's forward and backward of every stage, one step per iteration (the
+    timeline draws it on every stage's IPU; the host runs it once), then its gathering."""
+    import math
+    import statistics
+
+    import torch
+
+    from ipukit.timeline.simulate import host_spans
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            with ipukit.Block("a"):
+                x = torch.relu(self.a(x))
+            with ipukit.Block("b"):
+                loss = ((self.b(x) - y) ** 2).mean()
+            return x, loss
+
+    net = Net()
+    opts = ipukit.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(3)
+    opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.Stage("a").ipu(0),
+                                                      ipukit.Stage("b").ipu(1)))
+    model = ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        model(torch.randn(24, 8), torch.randn(24, 1))
+        tl = model.getTimeline()
+    finally:
+        model.destroy()
+    c = tl.stage_costs(statistics.median)
+    before, after = host_spans(tl)
+    step = statistics.median(e.duration for e in tl.events if e.kind == "step")
+    expected = before + 2 * (3 * (sum(c["forward"]) + sum(c["backward"])) + step) + after
+    assert math.isclose(ipukit.model_like(tl).wall_time, expected, rel_tol=1e-9,
+                        abs_tol=1e-12)

@@ -109,6 +109,24 @@ class Schedule:
         return self.kind.startswith("sharded")
 
     @cached_property
+    def lane_of_stage(self) -> List[Optional[int]]:
+        """Per stage, the lane (one worker) that runs it; None for a stage no lane runs."""
+        out: List[Optional[int]] = [None] * self.num_stages
+        for li, lane in enumerate(self.lanes):
+            for a in lane:
+                if out[a.stage] is None:
+                    out[a.stage] = li
+        return out
+
+    @cached_property
+    def stages_in_lane(self) -> List[int]:
+        """Per stage, how many stages its lane runs. The host steps the optimiser once per
+        iteration for every stage, and a lane holds one step action per stage it runs (a
+        timeline draws the step on every stage's IPU): those actions share that one step."""
+        lanes = self.lane_of_stage
+        return [max(1, lanes.count(li)) if li is not None else 1 for li in lanes]
+
+    @cached_property
     def chained(self) -> bool:
         """Whether one lane runs each micro-batch whole before the next, as a plain loop does:
         every stage's forward in order, then every stage's full backward in reverse."""

@@ -154,16 +154,12 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     training = schedule.training
     fwd = c["forward"]
     bwd = c["backward"] if training else [0.0] * N
-    lane_of: dict = {}
-    for li, lane in enumerate(schedule.lanes):
-        for a in lane:
-            lane_of.setdefault(a[1], li)
-    in_lane = {li: sum(1 for s in range(N) if lane_of.get(s) == li) for li in set(lane_of.values())}
+    lane_of = schedule.lane_of_stage
     # the executor steps once on the host for every stage, while the workers wait: each
     # lane's step actions (they run side by side) add up to one step. A sharded call's one
     # lane holds every stage: charging each of them a whole step modeled a sharded ViT on
     # 4 IPUs 3 steps (27 ms of ~300) slower per iteration than on one
-    step = [table.step / in_lane.get(lane_of.get(s), 1) if training else 0.0 for s in range(N)]
+    step = [table.step / k if training else 0.0 for k in schedule.stages_in_lane]
     if "input-grad" in c:      # measured halves (calibrate times I and W of every block)
         i_cost, w_cost = c["input-grad"], c["weight-grad"]
     else:
@@ -177,7 +173,7 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}
     # a hand-off is one worker waking another: stages a single worker runs in turn (a
     # sharded call's, or a looped schedule's on one IPU) pass their tensors straight on
-    crosses = [s > 0 and lane_of.get(s - 1) != lane_of.get(s) for s in range(N)]
+    crosses = [s > 0 and lane_of[s - 1] != lane_of[s] for s in range(N)]
     transfers = {FORWARD: [table.handoff if crosses[s] else 0.0 for s in range(N)],
                  BACKWARD: [table.handoff if s < N - 1 and crosses[s + 1] else 0.0
                             for s in range(N)]}

@@ -207,7 +207,9 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
     comes from ``measured_timeline.meta``; every forward/backward/step costs the stage's
     ``statistic`` over the measured events, or ``costs`` when given (a
     ``Timeline.stage_costs()`` dict, e.g. of an uncontended sharded run of the
-    same stages); with ``host`` the call's set-up and output-gathering spans
+    same stages). A stage's step cost is the step as drawn on its IPU, once per
+    iteration for the whole call: a worker running several stages pays it once.
+    With ``host`` the call's set-up and output-gathering spans
     are kept, so wall time and utilisation compare like for like. ``cores``
     models a CPU that can run at most that many actions at once (see
     :func:`play_on_cores`); ``None`` means one core per worker.
@@ -232,6 +234,9 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
         raise ValueError(f"costs: expected one value per stage ({N}) for forward/backward/step")
     if not schedule.training:
         c["backward"], c["step"] = [0.0] * N, [0.0] * N
+    # a measured step is drawn on every stage's IPU, but the host steps once per iteration:
+    # a lane running several stages (a sharded call, a loop, a V) shares that one step
+    c["step"] = [v / k for v, k in zip(c["step"], schedule.stages_in_lane)]
     before, after = host_spans(measured) if host else (0.0, 0.0)
     samples = meta.get("samples")
     if cores is None:
