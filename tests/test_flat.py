@@ -94,3 +94,28 @@ def test_what_it_cannot_inline_stays_nested():
     out.args = (leaf,)
     gm.recompile()
     assert flat_stage(gm) is gm
+
+
+def test_the_flat_graph_calls_torchs_public_functions_where_they_are_the_same_op():
+    """aten's overloads cost about 1 µs more a call than torch's own built-ins: the flat graph
+    calls the built-in of the same name where one takes a tensor first, as a function or as a
+    tensor method, and keeps the overload elsewhere; test_a_flat_stage_computes_the_same_...
+    holds it to the nested module's overloads bit for bit."""
+    from ipukit.compile.flat import public_op
+
+    aten = torch.ops.aten
+    assert public_op(aten.linear.default) == ("call_function", F.linear)
+    assert public_op(aten.relu.default) == ("call_function", torch.relu)  # not F.relu (Python)
+    assert public_op(aten.view.default) == ("call_method", "view")  # a method only
+    assert public_op(aten.zeros.default) is None  # a factory: the device mode would change it
+    assert public_op(aten._to_copy.default) is None  # private: no public built-in
+    assert public_op(torch.ops.pippy._pipe_split.default) is None  # not aten
+    assert public_op(F.linear) is None  # already a function
+    torch.manual_seed(1)
+    nested, _, _ = stages_of(Net())
+    for m in nested:
+        flat = flat_stage(m)
+        calls = [n for n in flat.graph.nodes if n.op in ("call_function", "call_method")]
+        kept = [n.target for n in calls if isinstance(n.target, torch._ops.OpOverload)]
+        assert all(public_op(t) is None for t in kept)
+        assert F.linear in [n.target for n in calls]  # each stage's Linear went public

@@ -12,6 +12,14 @@ buffer updates are exactly those of the nested module.
 It inlines only what it understands (fx graphs called positionally); anything
 else (a module called several times through torch's dispatcher, a leaf module
 that is not a graph, keyword arguments) leaves the stage as it was.
+
+The traced graph calls aten's operator overloads (``torch.ops.aten.linear.default``):
+each such call goes through a Python wrapper and a slower binding than torch's own
+functions, about 1 µs more per op (``linear`` 16.6 against 15.1 µs on a micro-batch of 8,
+``relu`` 2.0 against 1.2). Where torch has a public built-in of the same name taking a
+tensor first (``torch.nn.functional.linear``, ``torch.relu``, the method ``Tensor.view``),
+the flat graph calls that instead (:func:`public_op`): the same aten op through torch's
+own argument parser, so the same kernels and autograd nodes, with the same arguments.
 """
 from __future__ import annotations
 
@@ -95,10 +103,47 @@ def _inline(module: torch.nn.Module, prefix: str, args: list, graph: fx.Graph,
                 and isinstance(env[node.args[0]], (tuple, list)):
             env[node] = env[node.args[0]][node.args[1]]  # an item of an inlined module's output
         elif node.op in ("call_function", "call_method"):
-            env[node] = graph.node_copy(node, lambda m: env[m])
+            env[node] = copied = graph.node_copy(node, lambda m: env[m])
+            if copied.op == "call_function":
+                public = public_op(copied.target)
+                if public is not None:
+                    copied.op, copied.target = public
         elif node.op == "output":
             return value(node.args[0])
     raise _NotFlat("no output")
+
+
+_PUBLIC: Dict[Any, Optional[tuple]] = {}
+
+
+def public_op(target: Any) -> Optional[tuple]:
+    """``(node op, target)`` calling torch's public built-in for an aten overload
+    ``target`` (see the module docstring), or None where there is none or it may not be
+    the same call: ops outside ``aten``, private ops (``_``), ops whose first argument is
+    not a tensor (factory functions, which torch's device and function modes would
+    change), and Python wrappers (``torch.nn.functional.relu``, whose ``inplace`` argument
+    is not aten's)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target in _PUBLIC:
+        return _PUBLIC[target]
+    found = None
+    if target.namespace == "aten":
+        schema = target._schema
+        name = schema.name.split("::", 1)[1]
+        first = schema.arguments[0] if schema.arguments else None
+        if first is not None and str(first.type) == "Tensor" and not first.kwarg_only \
+                and not name.startswith("_"):
+            for home in (torch.nn.functional, torch):
+                f = getattr(home, name, None)
+                if type(f).__name__ == "builtin_function_or_method" and f.__name__ == name:
+                    found = ("call_function", f)
+                    break
+            else:
+                if type(getattr(torch.Tensor, name, None)).__name__ == "method_descriptor":
+                    found = ("call_method", name)
+    _PUBLIC[target] = found
+    return found
 
 
 def nested_of(module: torch.nn.Module) -> Optional[torch.nn.Module]:
