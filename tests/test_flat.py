@@ -107,6 +107,7 @@ def test_the_flat_graph_calls_torchs_public_functions_where_they_are_the_same_op
     assert public_op(aten.linear.default) == ("call_function", F.linear)
     assert public_op(aten.relu.default) == ("call_function", torch.relu)  # not F.relu (Python)
     assert public_op(aten.view.default) == ("call_method", "view")  # a method only
+    assert public_op(aten.cat.default) == ("call_function", torch.cat)  # a list of tensors
     assert public_op(aten.zeros.default) is None  # a factory: the device mode would change it
     assert public_op(aten._to_copy.default) is None  # private: no public built-in
     assert public_op(torch.ops.pippy._pipe_split.default) is None  # not aten
@@ -119,3 +120,87 @@ def test_the_flat_graph_calls_torchs_public_functions_where_they_are_the_same_op
         kept = [n.target for n in calls if isinstance(n.target, torch._ops.OpOverload)]
         assert all(public_op(t) is None for t in kept)
         assert F.linear in [n.target for n in calls]  # each stage's Linear went public
+
+
+class ManyOps(nn.Module):
+    """Two Blocks using the ops a vision or sequence model's stage holds: convolution, batch
+    and layer norm, pooling, attention, GELU, softmax, embedding, reshapes, concatenation."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.embed = nn.Embedding(10, 16)
+        self.proj = nn.Linear(16, 48)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16 + 4, 3)
+
+    def forward(self, x, tokens, labels):
+        with ipukit.Block("a", ipu_id=0):
+            h = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)       # (8, 4, 3, 3)
+            pooled = h.flatten(1).view(8, 4, 9).mean(dim=2)           # (8, 4)
+            e = self.embed(tokens)                                    # (8, 5, 16)
+        with ipukit.Block("b", ipu_id=1):
+            q, k, v = self.proj(e).chunk(3, dim=-1)
+            a = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1),
+                                               v.unsqueeze(1)).squeeze(1)
+            t = self.norm(F.gelu(a + e)).transpose(1, 2).softmax(dim=-1).sum(-1)
+            out = self.head(torch.cat([t, pooled], dim=1))
+            loss = F.cross_entropy(out, labels) + (out ** 2).mean() * 0.1
+        return out, loss
+
+
+def test_public_functions_give_the_nested_modules_results_bit_for_bit_across_many_ops():
+    from ipukit.compile.flat import public_op
+
+    torch.manual_seed(2)
+    net = ManyOps()
+    x, tokens, y = torch.randn(8, 1, 6, 6), torch.randint(0, 10, (8, 5)), torch.randint(0, 3, (8,))
+    opts = ipukit.Options().recordTimeline(False)
+    opts.Training.gradientAccumulation(4)
+    model = ipukit.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.0))
+    model(torch.cat([x] * 4), torch.cat([tokens] * 4), torch.cat([y] * 4))
+    stages = model.program.partition.stages
+    nested = [nested_of(st.module) for st in stages]
+    flat = [flat_stage(m) for m in nested]
+    went = {n.target for f in flat for n in f.graph.nodes if n.op in ("call_function", "call_method")
+            and not isinstance(n.target, torch._ops.OpOverload)}
+    assert len(went) >= 8   # most of these ops have a public built-in
+    kept = {n.target for f in flat for n in f.graph.nodes
+            if isinstance(n.target, torch._ops.OpOverload)}
+    assert all(public_op(t) is None for t in kept)
+
+    inputs = (x, tokens, y)
+    partition = model.program.partition
+
+    def run(modules):
+        for p in net.parameters():
+            p.grad = None
+        saved = {k: v.clone() for k, v in net.state_dict().items()}
+        outputs = {}
+        for st, module in zip(stages, modules):
+            args = []
+            for ref in st.args:
+                if ref.kind == "input":
+                    args.append(inputs[ref.index])
+                elif ref.kind == "stage":
+                    v = outputs[ref.index][ref.item or 0]
+                    args.append(v.detach().requires_grad_(v.is_floating_point()))
+                else:
+                    args.append(ref.value)
+            out = module(*args)
+            outputs[st.index] = tuple(out) if st.tuple_output else (out,)
+        last = outputs[stages[-1].index]
+        loss = partition.outputs[partition.loss_output]
+        loss = outputs[loss.index][loss.item or 0]
+        loss.backward()
+        got = ([t.detach() for t in last if isinstance(t, torch.Tensor)],
+               [p.grad.clone() for p in net.parameters() if p.grad is not None],
+               [v.clone() for v in net.state_dict().values()])
+        net.load_state_dict(saved)   # both variants start from the same buffers
+        return got
+
+    want, got = run(nested), run(flat)
+    for a, b in zip(want, got):
+        assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+    assert len(want[1]) >= 6   # the second stage's gradients only (its inputs are detached)

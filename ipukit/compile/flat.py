@@ -120,9 +120,9 @@ def public_op(target: Any) -> Optional[tuple]:
     """``(node op, target)`` calling torch's public built-in for an aten overload
     ``target`` (see the module docstring), or None where there is none or it may not be
     the same call: ops outside ``aten``, private ops (``_``), ops whose first argument is
-    not a tensor (factory functions, which torch's device and function modes would
-    change), and Python wrappers (``torch.nn.functional.relu``, whose ``inplace`` argument
-    is not aten's)."""
+    not a tensor or a list of them (factory functions, which torch's device and function
+    modes would change), and Python wrappers (``torch.nn.functional.relu``, whose
+    ``inplace`` argument is not aten's)."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
     if target in _PUBLIC:
@@ -132,7 +132,8 @@ def public_op(target: Any) -> Optional[tuple]:
         schema = target._schema
         name = schema.name.split("::", 1)[1]
         first = schema.arguments[0] if schema.arguments else None
-        if first is not None and str(first.type) == "Tensor" and not first.kwarg_only \
+        if first is not None and str(first.type) in ("Tensor", "List[Tensor]") \
+                and not first.kwarg_only \
                 and not name.startswith("_"):
             for home in (torch.nn.functional, torch):
                 f = getattr(home, name, None)
