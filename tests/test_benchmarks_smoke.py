@@ -87,11 +87,15 @@ def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
                 "model_vs_replay": passes, "replay_vs_measured": rest,
                 "busy_measured": [0.5, 0.5], "busy_modeled": [0.5, 0.5], "busy_gap_points": 0}
 
+    skewed = dict(row("d", 0.80, 0.98, 0.82, 4), mean_replay_vs_measured=0.93)
     text = report({"rows": [row("a", 0.70, 0.95, 0.74, 2), row("b", 1.30, 1.35, 0.96, 2),
-                            row("c", 1.0, 1.0, 1.0, 2)],
+                            row("c", 1.0, 1.0, 1.0, 2), skewed],
                    "tables": {}, "ga": 8, "di": 2, "calls": 3, "rounds": 1, "cores": 2,
                    "threads": 2, "torch": "x", "device": "CPU"})
-    assert "| 0.70 ✗ (0.70) | 0.95 | 0.74 |" in text
+    assert "| 0.70 ✗ (0.70) | 0.95 | 0.74 | — |" in text
+    assert "| 0.80 ✗ (0.80) | 0.98 | 0.82 | 0.93 |" in text
+    assert "replayed at their means they explain 93% of the call, at their medians 82%" in text
+    assert text.count("passes were skewed") == 1   # d's alone
     assert "- m, a (ratio 0.70" in text and "mostly time outside the passes" in text
     assert "- m, b (ratio 1.30" in text and "the table modeled them at 1.35×" in text
     assert "- m, c (" not in text
