@@ -10,6 +10,7 @@ compete for cores — and :func:`best_split` finds the optimal split exactly.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -207,7 +208,8 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
 
 
 def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
-                         repeats: int = 5, between: Sequence[Callable[[], object]] = ()):
+                         repeats: int = 5, between: Sequence[Callable[[], object]] = (),
+                         lock_shares: Optional[Dict[str, List[float]]] = None):
     """:func:`measure_blocks`, plus each block's split backward timed alone.
 
     Returns ``(forward, backward, input_grad, weight_grad, timeline)``: per block, the
@@ -225,12 +227,41 @@ def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Seq
     every call's passes, so a few seconds of a slower machine during one call move them
     less (on a 2-core VM the ViT's blocks, timed once per calibration, summed 15-16 ms in
     four calibrations of six and 21-26 ms in two).
+
+    ``lock_shares``: a dict to fill, per pass kind (``"forward"``, ``"backward"``,
+    ``"input_grad"``, ``"weight_grad"``), with each block's interpreter-lock share
+    (:func:`lock_share`): its passes timed on a worker thread with a twin running the same
+    passes beside it, against alone.
     """
-    return _measure(model, sample_inputs, block_order, repeats, True, between)
+    return _measure(model, sample_inputs, block_order, repeats, True, between, lock_shares)
+
+
+def lock_share(alone: float, beside_twin: float, noise: float = 0.1) -> float:
+    """The share of a pass's time it holds the interpreter lock, from its duration
+    ``alone`` and ``beside_twin`` (a second thread running the same pass at once, each on
+    its own core).
+
+    A pass that holds the lock for a share g of its time, beside passes holding it for
+    shares g_j, waits about g × Σ g_j of its time for them (each time it wants the lock,
+    another holds it about g_j of the time): so beside its twin it takes 1 + g² of its
+    time alone, and g = √(stretch − 1), at most 1. Measured on 2 cores with one intra-op
+    thread each (the convnet's blocks, passes of 40 to 1,800 µs): the convolutions'
+    passes 1.00-1.02 beside their twins (g ≈ 0.1), the Linear(320, 256) block's
+    1.22-1.43 (g 0.5-0.7), the last Linear and its loss 2.5-3.0 (g = 1); and beside
+    another block, as g × g_j predicts within 0.1 where either share is small (the
+    convolutions beside the last block 1.09-1.16; that block beside them 1.04-1.11).
+    A stretch within ``noise`` of 1 reads as no share: the convolutions' passes, timed a
+    few times each, came out 0.97-1.09 beside their twins, which the square root would
+    read as shares up to 0.3.
+    """
+    if alone <= 0:
+        return 0.0
+    return min(1.0, max(0.0, beside_twin / alone - 1.0 - noise) ** 0.5)
 
 
 def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], repeats: int,
-             split: bool, between: Sequence[Callable[[], object]] = ()):
+             split: bool, between: Sequence[Callable[[], object]] = (),
+             lock_shares: Optional[Dict[str, List[float]]] = None):
     from .core.options import Options
 
     repeats = max(1, int(repeats))
@@ -240,7 +271,8 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
     options.Training.gradientAccumulation(repeats)
     options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),
                                               sharded=True))
-    probe = (lambda compiled: _split_probe(compiled, args, repeats)) if split else None
+    shares: Optional[List[Dict[str, float]]] = [] if lock_shares is not None else None
+    probe = (lambda compiled: _split_probe(compiled, args, repeats, shares)) if split else None
     with action_by_action():   # each pass timed alone, with a pipelined pass's bookkeeping
         more: List[Timeline] = []
         timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe,
@@ -261,17 +293,27 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
                 per["I"][b] += direct_i / len(names)
                 per["W"][b] += (direct_w + extra) / len(names)
     out = [[per[k][b] for b in block_order] for k in ("F", "B", "I", "W")]
+    if lock_shares is not None and shares and len(shares) == len(stage_blocks):
+        index = {b: i for i, b in enumerate(block_order)}
+        for kind in ("forward", "backward", "input_grad", "weight_grad"):
+            lock_shares[kind] = [0.0] * len(block_order)
+            for names, share in zip(stage_blocks, shares):
+                for b in names:
+                    lock_shares[kind][index[b]] = share[kind]
     if halves is None:
         out[2] = out[3] = None
     return out[0], out[1], out[2], out[3], timeline
 
 
-def _split_probe(compiled, args: Tuple, repeats: int):
+def _split_probe(compiled, args: Tuple, repeats: int,
+                 shares: Optional[List[Dict[str, float]]] = None):
     """Per stage of ``compiled`` (a one-block-per-stage training model): median seconds of
-    a direct full backward, of ``I`` and of ``W`` (None if the stages cannot be driven)."""
+    a direct full backward, of ``I`` and of ``W`` (None if the stages cannot be driven).
+
+    ``shares``: a list to append each stage's interpreter-lock shares to (per pass kind,
+    :func:`lock_share`), its passes timed on worker threads alone and beside a twin."""
 
     from .runtime.gpu_clock import on_device_of, settle
-    from .runtime.split_backward import backward_input, backward_weight
 
     if not all(isinstance(a, torch.Tensor) for a in args):
         return None
@@ -325,18 +367,112 @@ def _split_probe(compiled, args: Tuple, repeats: int):
                         settle(seeds)
                         spans["B"].append(time.perf_counter() - t0)
                         continue
-                    _, pending = backward_input(seeds, grads, inputs, params)
-                    settle(seeds)
-                    t1 = time.perf_counter()
-                    backward_weight(pending, params)
-                    settle(seeds)
-                    t2 = time.perf_counter()
-                    spans["I"].append(t1 - t0)
-                    spans["W"].append(t2 - t1)
+                    i_span, w_span = _split_halves(seeds, grads, inputs, params, t0)
+                    spans["I"].append(i_span)
+                    spans["W"].append(w_span)
             outputs[stage.index] = out
             result.append(tuple(statistics.median(spans[k][1:] or spans[k] or [0.0])
                                 for k in ("B", "I", "W")))
+            if shares is not None:
+                shares.append(_twin_shares(stage, stage_args, inputs, params, used, loss,
+                                           max(3, repeats // 2)))
     return result
+
+
+def _split_halves(seeds, grads, inputs, params, t0: float) -> Tuple[float, float]:
+    """A stage's split backward from ``seeds``, begun at ``t0``: seconds of ``I``, of ``W``."""
+    from .runtime.gpu_clock import settle
+    from .runtime.split_backward import backward_input, backward_weight
+
+    _, pending = backward_input(seeds, grads, inputs, params)
+    settle(seeds)
+    t1 = time.perf_counter()
+    backward_weight(pending, params)
+    settle(seeds)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _twin_shares(stage, stage_args, inputs, params, used, loss, repeats: int,
+                 least_seconds: float = 0.02) -> Dict[str, float]:
+    """One stage's interpreter-lock share per pass kind (:func:`lock_share`): its forward,
+    full backward and split halves timed on a worker thread (a pipeline worker's intra-op
+    threads for two workers) alone, then on two such threads at once — started together,
+    each for ``repeats`` rounds and ``least_seconds``, a pass counted only if it ended
+    before either thread stopped (so each ran beside its twin)."""
+    from .runtime.executor import default_threads
+    from .runtime.gpu_clock import settle
+
+    threads = default_threads(2)
+    kinds = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad"}
+
+    def passes(spans: Dict[str, List[float]], gate, stopped: List[float]) -> None:
+        torch.set_num_threads(threads)
+        gate.wait()
+        end = time.perf_counter() + least_seconds
+        r = -1
+        with torch.enable_grad():
+            while not stopped and (r < repeats or time.perf_counter() < end):
+                r += 1
+                for half in ("B", "IW"):
+                    t0 = time.perf_counter()
+                    out = stage.module(*stage_args)
+                    out = tuple(out) if stage.tuple_output else (out,)
+                    seeds = [out[i or 0] for i in used]
+                    if loss is not None and loss.kind == "stage" and loss.index == stage.index:
+                        seeds.append(out[loss.item or 0])
+                    seeds = [t for t in seeds if isinstance(t, torch.Tensor) and t.requires_grad]
+                    settle(seeds)
+                    t1 = time.perf_counter()
+                    if not seeds:
+                        continue
+                    grads = [torch.ones_like(t) for t in seeds]
+                    if half == "B":
+                        torch.autograd.grad(seeds, inputs + params, grads, allow_unused=True)
+                        settle(seeds)
+                        t2 = time.perf_counter()
+                        if r and not stopped:
+                            spans["F"].append(t1 - t0)
+                            spans["B"].append(t2 - t1)
+                        continue
+                    i_span, w_span = _split_halves(seeds, grads, inputs, params, t1)
+                    if r and not stopped:
+                        spans["I"].append(i_span)
+                        spans["W"].append(w_span)
+        stopped.append(time.perf_counter())
+
+    def on_threads(n: int) -> Dict[str, List[float]]:
+        spans: List[Dict[str, List[float]]] = [{k: [] for k in kinds} for _ in range(n)]
+        failed: List[BaseException] = []
+        gate, stopped = threading.Barrier(n), []
+
+        def work(i: int) -> None:
+            try:
+                passes(spans[i], gate, stopped)
+            except BaseException as exc:  # raised again on the calling thread
+                failed.append(exc)
+                gate.abort()
+
+        pool = [threading.Thread(target=work, args=(i,), daemon=True,
+                                 name=f"ipukit-calibrate-twin-{i}") for i in range(n)]
+        for t in pool:
+            t.start()
+        interrupted = False
+        for t in pool:   # Ctrl-C waits for the threads (milliseconds): none is left running
+            while t.is_alive():
+                try:
+                    t.join()
+                except KeyboardInterrupt:
+                    interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        if failed:
+            raise failed[0]
+        return {k: [v for sp in spans for v in sp[k]] for k in kinds}
+
+    alone, twins = on_threads(1), on_threads(2)
+    return {name: (lock_share(statistics.median(alone[k]), statistics.median(twins[k]))
+                   if alone[k] and twins[k] else 0.0)
+            for k, name in kinds.items()}
 
 
 def balance_by_time(model: torch.nn.Module, sample_inputs, num_ipus: int,

@@ -16,6 +16,11 @@ call the table will predict:
 - contention: the work rate of k forward + backward passes at once on k worker
   threads, against one alone (:func:`concurrency`: fewer cores than workers, and the
   interpreter lock each pass holds for its Python side);
+- each block's interpreter-lock share, per pass kind: its passes timed on a worker
+  thread alone and beside a twin running the same passes (:func:`ipukit.balance.lock_share`:
+  small Python-bound passes that run at once slow each other far more than the whole
+  model's passes do: the convnet's last block 2.5-3× beside its twin, its convolutions
+  1.0-1.02×);
 - the fixed cost of one pass: the median gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
@@ -59,8 +64,9 @@ _CACHE: Dict[str, CostTable] = {}
 # bumped when a table's meaning changes, so tables cached on disk by an older ipukit are
 # measured again (2: the blocks also timed on a worker thread, ``on_worker``; 3: the
 # hand-off to a waiting worker while the sender computes the model's forward; the blocks
-# timed in three calls; typical values throughout: medians, contention's mean of rounds)
-_TABLE_FORMAT = 3
+# timed in three calls; typical values throughout: medians, contention's mean of rounds;
+# 4: each block's interpreter-lock share, ``lock_share``)
+_TABLE_FORMAT = 4
 
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
@@ -374,8 +380,10 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
     def contended() -> None:
         found["concurrency"] = concurrency(model, args) if contention else None
 
+    shares: Dict[str, List[float]] = {}
     fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(
-        model, args, order, repeats, between=(handoff_and_step, contended))
+        model, args, order, repeats, between=(handoff_and_step, contended),
+        lock_shares=shares if contention else None)
     on_worker = _on_a_worker_thread(model, args, order, repeats)
     before, after = host_spans(timeline)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
@@ -387,7 +395,7 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         host_before=before, host_after=after, cores=available_cores(), device=device,
         micro_batch=int(first.shape[0]) if first is not None else 0,
         input_grad=input_grad, weight_grad=weight_grad,
-        concurrency=found["concurrency"], on_worker=on_worker,
+        concurrency=found["concurrency"], on_worker=on_worker, lock_share=shares or None,
         notes={"measured": "each block alone (sharded, one worker), the median of "
                            f"{repeats} micro-batches in each of three calls seconds apart; "
                            "each block's split backward (I, W) alone; k passes at once on k "

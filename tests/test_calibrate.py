@@ -1,5 +1,6 @@
 """The calibrated cost model: laws it keeps on its own inputs, and calibrate() itself."""
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -184,6 +185,9 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
         assert len(t.on_worker["forward"]) == len(t.on_worker["backward"]) == 2
         assert all(v > 0 for v in t.on_worker["forward"] + t.on_worker["backward"])
     assert all(0 < r <= k for k, r in enumerate(t.concurrency, start=1))
+    assert sorted(t.lock_share) == ["backward", "forward", "input_grad", "weight_grad"]
+    assert all(len(v) == 2 and all(0.0 <= g <= 1.0 for g in v) for v in t.lock_share.values())
+    assert not [th for th in threading.enumerate() if th.name.startswith("ipukit-calibrate")]
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert ipukit.calibrate(net, (x, y), repeats=3, cache_dir=str(tmp_path)) is t
     assert list(tmp_path.glob("calibration-*.json"))
@@ -222,3 +226,56 @@ def test_measurements_outside_a_call_take_their_inputs_where_the_weights_are():
     assert on_device_of([], (x,))[0] is x
     assert on_device_of([torch.zeros(1)], (x,))[0] is x
     settle([x, weight, "not a tensor"])
+
+
+def test_lock_share_reads_the_stretch_beside_a_twin():
+    from ipukit.balance import lock_share
+
+    assert lock_share(1.0, 2.0) == pytest.approx(0.0 + (2.0 - 1.0 - 0.1) ** 0.5)
+    assert lock_share(1.0, 2.5) == 1.0                     # at most all of the pass
+    assert lock_share(1.0, 1.35) == pytest.approx(0.5)
+    assert lock_share(1.0, 1.05) == 0.0                    # within the noise: none
+    assert lock_share(1.0, 0.9) == 0.0 and lock_share(0.0, 1.0) == 0.0
+    assert lock_share(1.0, 1.25, noise=0.0) == pytest.approx(0.5)
+
+
+def test_a_stages_lock_share_weights_its_blocks_and_counts_the_pass_cost_as_held():
+    t = split_table(lock_share={"forward": [0.0, 1.0, 0.0, 0.5],
+                                "backward": [0.0, 0.0, 0.0, 1.0],
+                                "input_grad": [0.0, 1.0, 0.0, 0.0],
+                                "weight_grad": [0.0, 0.0, 1.0, 0.0]})
+    shares = t.stage_lock_shares([["a", "b"], ["c", "d"]])
+    # forward: a (1 s, 0) + b (2 s, 1) + the pass (0.5 s, held) over 3.5 s
+    assert shares["forward"][0] == pytest.approx((2 + 0.5) / 3.5)
+    assert shares["forward"][1] == pytest.approx((4 * 0.5 + 0.5) / (3 + 4 + 0.5))
+    # the first stage's halves: I of its first block, W its full backward
+    assert shares["input-grad"][0] == pytest.approx(0.5 / (0.0625 + 0.5))
+    assert shares["weight-grad"][0] == pytest.approx(0.5 / (2 + 4 + 0.5))
+    assert shares["weight-grad"][1] == pytest.approx((5.0 + 0.5) / (5.0 + 6.5 + 0.5))
+    assert table().stage_lock_shares([["a"]]) is None
+
+
+def test_small_lock_bound_stages_at_once_are_modeled_slower_than_the_whole_models_rate():
+    plain = split_table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0,
+                        host_after=0.0, cores=2)
+    plain = plain.__class__(**dict(plain.to_dict(), concurrency=[1.0, 2.0]))
+    stages = even_split(plain.blocks, 2)
+
+    def with_shares(t, **shares):
+        return t.__class__(**dict(t.to_dict(), lock_share={
+            k: shares.get(k, [0.0] * 4)
+            for k in ("forward", "backward", "input_grad", "weight_grad")}))
+
+    free = model_call(plain, "1f1b", stages, 8).wall_time
+    one = model_call(plain, "1f1b", stages, 8, cores=1).wall_time
+    # forwards all lock: two forwards at once run one at a time; a forward beside a
+    # backward (no lock) runs at full speed
+    slower = model_call(with_shares(plain, forward=[1.0] * 4), "1f1b", stages, 8).wall_time
+    assert free < slower < one
+    # the whole model all lock, and its calibrated rate says two passes at once were one
+    # at a time: the shares add nothing to that rate
+    serial = plain.__class__(**dict(plain.to_dict(), concurrency=[1.0, 1.0]))
+    held = with_shares(serial, **{k: [1.0] * 4 for k in ("forward", "backward",
+                                                         "input_grad", "weight_grad")})
+    assert model_call(held, "1f1b", stages, 8).wall_time == pytest.approx(
+        model_call(serial, "1f1b", stages, 8).wall_time)

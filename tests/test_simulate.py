@@ -319,3 +319,23 @@ def test_model_like_replays_a_one_worker_call_as_the_sum_of_its_own_passes():
     expected = before + 2 * (3 * (sum(c["forward"]) + sum(c["backward"])) + step) + after
     assert math.isclose(ipukit.model_like(tl).wall_time, expected, rel_tol=1e-9,
                         abs_tol=1e-12)
+
+
+def test_passes_holding_the_interpreter_lock_slow_each_other_as_measured_beside_twins():
+    # two replicas of one stage: two forwards of cost 1 run at once on two cores
+    sch = build("gpipe", 1, 1, 1)
+    costs = {"F": [1.0], "B": [0.0]}
+
+    def end(**kw):
+        times = play_shared(sch.lanes, 1, costs, parallelism=[1.0, 2.0], replicas=2, **kw)
+        return max(e for rep in times for lane in rep for _, e in lane)
+
+    assert end() == pytest.approx(1.0)
+    assert end(lock={"F": [0.0]}) == pytest.approx(1.0)      # no lock held: no wait
+    assert end(lock={"F": [1.0]}) == pytest.approx(2.0)      # all lock: one at a time
+    # a share g beside its twin takes 1 + g² of its time (lock_share's reading)
+    assert end(lock={"F": [0.5]}) == pytest.approx(1.25)
+    # the calibrated rate of k whole-model passes (share lock_whole) is kept for them
+    whole = play_shared(sch.lanes, 1, costs, parallelism=[1.0, 1.6], replicas=2,
+                        lock={"F": [0.5]}, lock_whole=0.5)
+    assert max(e for rep in whole for lane in rep for _, e in lane) == pytest.approx(2 / 1.6)

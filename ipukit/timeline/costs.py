@@ -23,6 +23,9 @@ costs a real call pays on top of the blocks' compute:
   the interpreter lock a pass holds for its Python side, and the slowdown of more
   workers than cores;
   without it, at most ``cores`` passes run at once (workers beyond the cores wait);
+- passes that hold the interpreter lock (``lock_share``, measured per block beside a
+  twin) also wait for each other's: a pass of share g beside passes of shares g_j runs
+  1 + g × Σ g_j slower (the whole-model rate above corrected for its own share);
 - each optimiser step costs ``step`` on the host, once per iteration, after the flush;
 - a call pays ``host_before`` (splitting the inputs) and ``host_after`` (gathering the
   outputs) around its passes.
@@ -78,6 +81,11 @@ class CostTable:
     #: "weight_grad", per block), where those differ from the calling thread's (which
     #: times the fields above and runs one-worker calls); None: the same
     on_worker: Optional[Dict[str, Optional[List[float]]]] = None
+    #: per pass kind ("forward", "backward", "input_grad", "weight_grad"), each block's
+    #: share of its pass's time holding the interpreter lock (measured beside a twin:
+    #: :func:`ipukit.balance.lock_share`); None: not measured (passes that run at once
+    #: slow each other only at the calibrated rate of k whole-model passes)
+    lock_share: Optional[Dict[str, List[float]]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,6 +133,54 @@ class CostTable:
                  else sum(self.weight_grad[index[b]] for b in names)) + self.per_pass
                 for names in stage_blocks]
         return out
+
+
+    def stage_lock_shares(self, stage_blocks: Sequence[Sequence[str]],
+                          on_worker: bool = False) -> Optional[Dict[str, List[float]]]:
+        """Per stage and pass kind (the keys of :meth:`stage_costs`): the share of the
+        pass's time holding the interpreter lock — its blocks' measured shares weighted by
+        their costs, and the pass's fixed cost (ipukit's bookkeeping, Python) at 1. None
+        where the table has none (:attr:`lock_share`)."""
+        if not self.lock_share:
+            return None
+        worker = self.on_worker if on_worker and self.on_worker else {}
+        index = {b: i for i, b in enumerate(self.blocks)}
+        first = self.blocks[0] if self.blocks else None
+        measured = {"forward": worker.get("forward") or self.forward,
+                    "backward": worker.get("backward") or self.backward,
+                    "input_grad": worker.get("input_grad") or self.input_grad,
+                    "weight_grad": worker.get("weight_grad") or self.weight_grad}
+
+        def mix(kind: str, names: Sequence[str]) -> float:
+            costs = measured.get(kind) or measured["backward"]
+            shares = self.lock_share.get(kind) or self.lock_share.get("backward") or []
+            if not shares:
+                return 0.0
+            held = sum(shares[index[b]] * costs[index[b]] for b in names) + self.per_pass
+            total = sum(costs[index[b]] for b in names) + self.per_pass
+            return min(1.0, held / total) if total > 0 else 0.0
+
+        out = {"forward": [mix("forward", n) for n in stage_blocks],
+               "backward": [mix("backward", n) for n in stage_blocks]}
+        # the first stage's halves: I of its first block alone, W a full backward
+        out["input-grad"] = [mix("input_grad", n[:1] if n and n[0] == first else n)
+                             for n in stage_blocks]
+        out["weight-grad"] = [mix("backward" if n and n[0] == first else "weight_grad", n)
+                              for n in stage_blocks]
+        return out
+
+    def whole_lock_share(self) -> float:
+        """The interpreter-lock share of a whole-model forward and backward (the passes
+        :attr:`concurrency` times), its blocks' shares weighted by their costs."""
+        if not self.lock_share:
+            return 0.0
+        f, b = self.lock_share.get("forward") or [], self.lock_share.get("backward") or []
+        if len(f) != len(self.forward) or len(b) != len(self.backward):
+            return 0.0
+        total = sum(self.forward) + sum(self.backward)
+        held = sum(g * c for g, c in zip(f, self.forward)) + \
+            sum(g * c for g, c in zip(b, self.backward))
+        return held / total if total > 0 else 0.0
 
 
 def even_split(blocks: Sequence[str], stages: int) -> List[List[str]]:
@@ -182,8 +238,13 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     if cores is None and table.concurrency and concurrent:
         # k passes at once share the CPU at the calibrated rate of k concurrent passes
         limit = None
+        lock = table.stage_lock_shares(stage_blocks, on_worker=concurrent)
+        if lock is not None:
+            lock = {FORWARD: lock["forward"], BACKWARD: lock["backward"],
+                    INPUT_GRAD: lock["input-grad"], WEIGHT_GRAD: lock["weight-grad"]}
         times = play_shared(schedule.lanes, N, costs, transfers, start,
-                            parallelism=table.concurrency, replicas=replicas)
+                            parallelism=table.concurrency, replicas=replicas,
+                            lock=lock, lock_whole=table.whole_lock_share())
         rates = ", ".join(f"{r:.2f}" for r in table.concurrency[:workers])
         notes.append(f"{workers} workers on {table.cores} cores: k passes at once run at "
                      f"the calibrated rate of k concurrent passes ({rates} for k = 1, 2, …), "

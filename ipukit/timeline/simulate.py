@@ -299,7 +299,8 @@ def rate_of(parallelism: Optional[Sequence[float]], k: int) -> float:
 def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
                 transfers: Optional[Dict[str, Sequence[float]]] = None, start_time: float = 0.0,
                 parallelism: Optional[Sequence[float]] = None, replicas: int = 1,
-                exposed: bool = False, hidden: Optional[set] = None
+                exposed: bool = False, hidden: Optional[set] = None,
+                lock: Optional[Dict[str, Sequence[float]]] = None, lock_whole: float = 0.0
                 ) -> List[List[List[Tuple[float, float]]]]:
     """(start, end) of every action, ``times[replica][lane]``, with cores shared fairly.
 
@@ -318,6 +319,15 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     worker is busy sending (its span grows by the transfer) — unless the action's
     ``(lane, index)`` is in ``hidden``, a send overlapped with a paired action's compute
     (DualPipeV's paired forward and backward), which is latency only again.
+
+    ``lock[kind][stage]``: the share g of each pass's time that it holds the interpreter
+    lock (:func:`ipukit.balance.lock_share`, measured beside a twin). While passes run at
+    once, each also waits for the lock the others hold: a pass advances at
+    ``rate_of(parallelism, k) × (1 + (k − 1) × lock_whole²) / (1 + g × Σ g_others)``, at
+    most its speed alone, where ``lock_whole`` is the share of the whole-model passes
+    whose rate ``parallelism`` measured (so k whole-model passes still run at that rate,
+    and small Python-bound passes that run together, such as a V schedule's last two
+    stages, slow each other as they do when measured side by side).
     """
     N, last = num_stages, num_stages - 1
     t_fwd, t_bwd = ((transfers or {}).get(k) or [0.0] * N for k in (FORWARD, BACKWARD))
@@ -351,6 +361,16 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     running: Dict[int, list] = {}     # worker -> [work left, start]  (passes sharing cores)
     fixed: Dict[int, Tuple[float, float]] = {}   # worker -> (start, end)  (steps; own cores)
     shared = parallelism is not None
+    share = {k: (lock or {}).get(k) or [0.0] * N for k in cost}
+
+    def speeds(now_running: Dict[int, list]) -> Dict[int, float]:
+        k = len(now_running)
+        base = rate_of(parallelism, k)
+        if not lock or k < 2:
+            return {w: base for w in now_running}
+        base = min(1.0, base * (1 + (k - 1) * lock_whole ** 2))
+        total = sum(v[2] for v in now_running.values())
+        return {w: base / (1 + v[2] * (total - v[2])) for w, v in now_running.items()}
 
     def dependency(w: int) -> Optional[float]:
         r, li = workers[w]
@@ -403,17 +423,16 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
             if t is not None:
                 waiting.discard(w)
                 heapq.heappush(ready, (t, w))
-        k = len(running)
-        rate = rate_of(parallelism, k) if k else 0.0
-        t_done = now + min(v[0] for v in running.values()) / rate if running else inf
+        rate = speeds(running) if running else {}
+        t_done = now + min(v[0] / rate[w] for w, v in running.items()) if running else inf
         t_fixed = min((e for _, e in fixed.values()), default=inf)
         t_ready = ready[0][0] if ready else inf
         nxt = min(t_done, t_fixed, t_ready)
         if nxt == inf:
             break
         if running and nxt > now:
-            for v in running.values():
-                v[0] -= (nxt - now) * rate
+            for w, v in running.items():
+                v[0] -= (nxt - now) * rate[w]
         now = max(now, nxt)
         if running and nxt == t_done:
             for w in [w for w, v in running.items() if v[0] <= 1e-12 * (1 + abs(now))]:
@@ -430,7 +449,7 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
             if exposed and kind != STEP and (li, pos[w]) not in hidden:
                 work += send(kind, s)
             if shared and kind != STEP:
-                running[w] = [work, t]
+                running[w] = [work, t, share[kind][s]]
             else:
                 fixed[w] = (t, t + work)
     stuck = [str(lanes[li][pos[w]]) for w, (_, li) in enumerate(workers)
