@@ -378,20 +378,24 @@ def _cause(row: Dict, cores: int, device: str = "CPU") -> str:
     if device != "CPU" and row.get("workers", 1) > 1:
         causes.append("every virtual IPU is on the one GPU, and a small pass is mostly the "
                       "host's work (Python and kernel launches) that the workers' threads "
-                      "take turns at under the interpreter lock; the calibrated contention "
-                      "is that of whole-model passes, which overlap better")
+                      "take turns at under the interpreter lock; the table's lock shares "
+                      "cover the passes, but the workers' bookkeeping between them (hand-offs, "
+                      "recording) takes turns at the lock too, which the model charges only "
+                      "as a fixed cost per pass and a hand-off's latency")
     elif row.get("workers", 1) > cores:
         causes.append(f"{row['workers']} workers on {cores} cores: the model shares the cores "
                       "at the average calibrated rate; which worker the interpreter lock and "
                       "the scheduler favour is not modeled")
     elif row.get("workers", 1) > 1:
-        causes.append("workers contend for the interpreter lock; the calibrated rate is the "
-                      "whole model's forward and backward, not these stages'")
+        causes.append("workers contend for the interpreter lock; the table's lock shares "
+                      "are each block's beside its twin, not beside the passes it meets in "
+                      "the call")
     if row["kind"] in ("zb-h1", "zbv", "dualpipev"):
-        causes.append("split backward: I and W measured alone; interleaved with other "
-                      "workers' passes they stretch more than a full backward (the "
-                      "convnet's ZBV on 2 CPU cores: its I and W passes ran 1.1-3.0× their "
-                      "calibrated costs, its passes together 1.41×)")
+        causes.append("split backward: I and W measured alone, each half of a small block "
+                      "mostly Python (the graph walk), so two at once wait for each other's "
+                      "interpreter lock, which the lock shares model (the convnet's ZBV on 2 "
+                      "CPU cores: its last two stages' I and W ran 1.9-2.7× their costs alone "
+                      "in the call; modeled with the shares, the row went from 0.80 to 0.88)")
     if row.get("load", 0) > cores:
         causes.append(f"the machine was loaded (load {row['load']:.1f} on {cores} cores)")
     if row.get("workers", 1) == 1:
