@@ -94,6 +94,17 @@ def test_calibrated_contention_slows_concurrent_workers_and_says_so():
     assert alone.wall_time == pytest.approx(3 * 30)
 
 
+def test_more_workers_than_cores_on_a_cpu_says_what_the_average_leaves_out():
+    t = table(cores=2, concurrency=[1.0, 1.8, 1.9, 1.9])
+    four = model_call(t, "1f1b", even_split(t.blocks, 4), 8).meta["notes"]
+    two = model_call(t, "1f1b", even_split(t.blocks, 2), 8).meta["notes"]
+    gpu = model_call(dataclasses.replace(t, device="cuda:0"), "1f1b",
+                     even_split(t.blocks, 4), 8).meta["notes"]
+    assert any("more workers than cores" in n and "calibration.md" in n for n in four)
+    assert not any("more workers than cores" in n for n in two + gpu)
+    assert all(any("calibrated rate" in n for n in notes) for notes in (four, two, gpu))
+
+
 def test_a_pipeline_costs_its_blocks_as_timed_on_a_worker_thread():
     # on_worker: the blocks timed on a worker thread (fewer intra-op threads than the
     # calling thread, which times the fields one-worker calls use)
