@@ -24,7 +24,8 @@ call the table will predict:
 - the fixed cost of one pass: the median gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
-- one optimiser step of the training's optimiser type, on copies of the weights;
+- one optimiser step of the training's optimiser type, as the runtime steps, on copies of
+  the weights, each after a forward of the model (a call's step follows its passes);
 - one hand-off between two workers through the runtime's own mailboxes, to a worker
   waiting while the sender goes on computing (:func:`handoff_cost`);
 - the cores the executor really has (``os.sched_getaffinity``).
@@ -65,8 +66,9 @@ _CACHE: Dict[str, CostTable] = {}
 # measured again (2: the blocks also timed on a worker thread, ``on_worker``; 3: the
 # hand-off to a waiting worker while the sender computes the model's forward; the blocks
 # timed in three calls; typical values throughout: medians, contention's mean of rounds;
-# 4: each block's interpreter-lock share, ``lock_share``)
-_TABLE_FORMAT = 4
+# 4: each block's interpreter-lock share, ``lock_share``; 5: the step timed as the
+# runtime steps, after a forward)
+_TABLE_FORMAT = 5
 
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
@@ -138,18 +140,26 @@ def _forward_of(model: torch.nn.Module, args) -> Callable[[], object]:
     return forward
 
 
-def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float:
+def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5,
+              between: Optional[Callable[[], object]] = None) -> float:
     """Seconds for one optimiser step of ``model``'s weights, on copies (nothing changes).
 
     ``optimizer`` is the training's optimiser (its type and settings are used on fresh
-    state) or None for plain SGD.
+    state) or None for plain SGD. The step is the runtime's own (``runtime.update.step``:
+    the accumulated gradients scaled by the Mean rule, then the optimiser's step), and
+    ``between()``, when given, runs before each timed step: in a call the step follows
+    the passes, which have used the caches (:func:`calibrate` passes the model's forward).
+    Timed back to back, the convnet's AdamW step took 0.33-0.41 ms; after a forward each,
+    0.59-0.66 ms, as its calls' steps did (0.70-0.72 ms); the ViT's 2.9-3.5 and
+    3.9-4.3 ms (its calls' 3.4-3.6 ms).
     """
+    from .runtime.update import step as runtime_step
+
     params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()
               if p.requires_grad]
     if not params:
         return 0.0
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+    grads = {id(p): (p, torch.randn_like(p) * 1e-3) for p in params}
     if optimizer is None:
         opt = torch.optim.SGD(params, lr=0.0)
     else:
@@ -158,9 +168,11 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5) -> float
                                           if k in accepted and k != "params"})
     spans = []
     for _ in range(repeats + 1):
+        if between is not None:
+            between()
         settle(params)
         t = time.perf_counter()
-        opt.step()
+        runtime_step(opt, grads, 0.5, False)
         settle(params)
         spans.append(time.perf_counter() - t)
     return statistics.median(spans[1:])   # the first step also creates the state
@@ -374,8 +386,9 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
     found: Dict[str, object] = {}
 
     def handoff_and_step() -> None:
-        found["handoff"] = handoff_cost(messages=30, work=_forward_of(model, args))
-        found["step"] = step_cost(model, optimizer)
+        forward = _forward_of(model, args)
+        found["handoff"] = handoff_cost(messages=30, work=forward)
+        found["step"] = step_cost(model, optimizer, between=forward)
 
     def contended() -> None:
         found["concurrency"] = concurrency(model, args) if contention else None
