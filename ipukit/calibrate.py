@@ -200,8 +200,9 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     start, nor a thread left alone at the end, counts); the rate of k is the sum over the
     threads, divided by one thread's. Each thread uses the intra-op threads the executor
     gives a worker of a call with k workers (at least two: one worker alone is still one
-    of a pipeline's, as the blocks timed on a worker thread were: see :func:`calibrate`).
-    What it holds: how many cores the workers really share, the interpreter lock every
+    of a pipeline's, as the blocks timed on a worker thread were: see :func:`calibrate`),
+    and with more threads than cores each is pinned to a core as a call's workers are
+    (:func:`ipukit.runtime.executor.worker_cores`). What it holds: how many cores the workers really share, the interpreter lock every
     pass holds for its Python side (which serialises), and the slowdown of more workers
     than cores. ``workers`` defaults to four or the cores + 2, whichever is more; the rate
     of k is the mean over ``rounds`` rounds (the typical rate, as every other part of the
@@ -210,7 +211,7 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     """
     import copy
 
-    from .runtime.executor import default_threads
+    from .runtime.executor import default_threads, pin_this_thread, worker_cores
 
     args = as_args(sample_inputs)
     cores = available_cores()
@@ -253,12 +254,14 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
             for k in range(1, K + 1):
                 gate = threading.Barrier(k + 1)
                 threads_each = default_threads(max(k, 2))
+                pins = worker_cores(k)   # as a call's workers are: see worker_cores
                 # long enough for three passes of each thread at the slowest rate plausible
                 window = max(least_seconds, 3.5 * single * k)
                 done: List[List[float]] = [[] for _ in range(k)]
 
                 def work(i: int) -> None:
                     torch.set_num_threads(threads_each)
+                    pin_this_thread(pins[i] if pins else None)
                     gate.wait()
                     loop(copies[i], window, done[i])
 

@@ -189,3 +189,21 @@ def note_threads(x: torch.Tensor) -> torch.Tensor:
 @note_threads.register_fake
 def _note_fake(x):
     return torch.empty_like(x)
+
+
+AFFINITY_SEEN: list = []
+
+
+@torch.library.custom_op("ipukit_test::note_affinity", mutates_args=())
+def note_affinity(x: torch.Tensor) -> torch.Tensor:
+    """Identity that records the cores the thread running it may use (Linux)."""
+    import os
+    import threading
+
+    AFFINITY_SEEN.append((threading.current_thread().name, frozenset(os.sched_getaffinity(0))))
+    return x.clone()
+
+
+@note_affinity.register_fake
+def _affinity_fake(x):
+    return torch.empty_like(x)

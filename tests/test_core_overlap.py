@@ -1,6 +1,8 @@
 """Stages really run at the same time: one worker per virtual IPU."""
+import threading
 import time
 
+import pytest
 import torch
 
 import ipukit
@@ -142,3 +144,52 @@ def test_a_call_with_workers_copies_for_undo_and_gathers_with_a_workers_threads(
         ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.01))(x, y)
         assert torch.get_num_threads() == before
     assert seen == [default_threads(2), before]
+
+
+def test_workers_beyond_the_cores_are_pinned_round_robin(monkeypatch):
+    """More workers than cores: worker i runs on core i mod the cores (neighbouring
+    stages on different cores); no more than the cores: left free; the caller's own
+    affinity is never touched."""
+    import os
+
+    from ipukit.runtime import executor
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no thread affinity on this platform")
+    mine = frozenset(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert executor.worker_cores(2) is None
+    assert executor.worker_cores(5) == [0, 1, 0, 1, 0]
+    monkeypatch.setenv("IPUKIT_PIN_WORKERS", "0")
+    assert executor.worker_cores(5) is None
+    monkeypatch.delenv("IPUKIT_PIN_WORKERS")
+    monkeypatch.undo()
+
+    from helpers import AFFINITY_SEEN, ipukit_threads, note_affinity
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                with ipukit.Block(f"s{i}", ipu_id=i):
+                    x = note_affinity(layer(x))
+            return x
+
+    # the process may use one core here (its first): three workers are pinned to it
+    core = min(mine)
+    real = os.sched_getaffinity
+    monkeypatch.setattr(os, "sched_getaffinity",
+                        lambda pid: {core} if pid == 0 and threading.current_thread()
+                        is threading.main_thread() else real(pid))
+    model = ipukit.inferenceModel(Net(), ipukit.Options().deviceIterations(4))
+    model(torch.randn(4, 4))
+    AFFINITY_SEEN.clear()
+    model(torch.randn(4, 4))
+    monkeypatch.undo()
+    seen = {name: cores for name, cores in AFFINITY_SEEN}
+    assert len(seen) == 3 and set(seen.values()) == {frozenset({core})}, seen
+    assert frozenset(os.sched_getaffinity(0)) == mine      # the caller's, untouched
+    assert ipukit_threads() == []
