@@ -1,5 +1,6 @@
 """The calibrated cost model: laws it keeps on its own inputs, and calibrate() itself."""
 import dataclasses
+import os
 import threading
 
 import pytest
@@ -103,6 +104,26 @@ def test_more_workers_than_cores_on_a_cpu_says_what_the_average_leaves_out():
     assert any("more workers than cores" in n and "calibration.md" in n for n in four)
     assert not any("more workers than cores" in n for n in two + gpu)
     assert all(any("calibrated rate" in n for n in notes) for notes in (four, two, gpu))
+
+
+def test_more_workers_than_cores_are_modeled_pinned_as_the_executor_pins_them(monkeypatch):
+    # 4 stages on 2 cores: workers 0 and 2 share core 0, 1 and 3 core 1 (worker_cores).
+    # Sharing only its own core, a pass never runs faster than sharing them all
+    t = table(cores=2, concurrency=[1.0, 2.0, 2.0, 2.0])
+    stages = even_split(t.blocks, 4)
+    monkeypatch.delenv("IPUKIT_PIN_WORKERS", raising=False)
+    pinned = model_call(t, "1f1b", stages, 8).wall_time
+    gpu = model_call(dataclasses.replace(t, device="cuda:0"), "1f1b", stages, 8).wall_time
+    monkeypatch.setenv("IPUKIT_PIN_WORKERS", "0")
+    free = model_call(t, "1f1b", stages, 8).wall_time
+    two = model_call(t, "1f1b", even_split(t.blocks, 2), 8).wall_time
+    monkeypatch.delenv("IPUKIT_PIN_WORKERS")
+    assert model_call(t, "1f1b", even_split(t.blocks, 2), 8).wall_time == two  # not pinned
+    assert gpu == free        # a GPU's workers are not the CPU's cores
+    if hasattr(os, "sched_setaffinity"):
+        assert pinned > free
+    else:
+        assert pinned == free
 
 
 def test_a_pipeline_costs_its_blocks_as_timed_on_a_worker_thread():

@@ -1,4 +1,5 @@
 """The schedule model: textbook utilisation, dependencies, core limits, modeling measured runs."""
+import os
 import random
 import time
 from collections import defaultdict
@@ -195,7 +196,8 @@ from ipukit.schedules.generators import placement  # noqa: E402
 from ipukit.schedules.ir import walk  # noqa: E402
 from ipukit.timeline.compare import compare_schedules  # noqa: E402
 from ipukit.timeline.costs import CostTable  # noqa: E402
-from ipukit.timeline.simulate import paired_actions, play_shared, rate_of  # noqa: E402
+from ipukit.timeline.simulate import (paired_actions, pinned_slots, play_shared,  # noqa: E402
+                                      rate_of)
 
 SPLIT_CASES = [("gpipe", 4, 4), ("1f1b", 3, 3), ("zb-h1", 4, 4), ("interleaved-1f1b", 4, 2),
                ("looped-bfs", 4, 2), ("zbv", 4, 2), ("dualpipev", 8, 4)]
@@ -228,6 +230,31 @@ def test_rate_of_holds_the_last_measured_rate_and_never_beats_k():
     assert rate_of([1.0, 1.5], 2) == pytest.approx(0.75)
     assert rate_of([1.0, 1.5], 4) == pytest.approx(1.5 / 4)
     assert rate_of([1.0, 5.0], 2) == 1.0
+
+
+def test_pinned_workers_share_only_their_own_core(monkeypatch):
+    # one stage, four replicas: four independent workers, each one forward of cost 1
+    lanes = build("gpipe", 1, 1, 1).lanes
+    costs = {"F": [1.0], "B": [0.0], "S": [0.0]}
+    def ends(times):      # when each worker's forward ended
+        return sorted(lane[0][1] for rep in times for lane in rep)
+    # two workers pinned to one core: half a core each, whatever the other core does
+    assert ends(play_shared(lanes, 1, costs, parallelism=[1.0, 2.0], replicas=2,
+                            pinned=[0, 0])) == pytest.approx([2.0, 2.0])
+    assert ends(play_shared(lanes, 1, costs, parallelism=[1.0, 2.0], replicas=2,
+                            pinned=[0, 1])) == pytest.approx([1.0, 1.0])
+    # spread evenly, pinning changes nothing: the calibrated rate of k at once, shared
+    for rate in ([1.0, 1.9, 1.9, 1.8], [1.0, 2.0, 2.0, 2.0]):
+        assert ends(play_shared(lanes, 1, costs, parallelism=rate, replicas=4,
+                                pinned=[0, 1, 0, 1])) == pytest.approx(
+            ends(play_shared(lanes, 1, costs, parallelism=rate, replicas=4)))
+    # the rule the executor pins by (worker_cores): only workers beyond the cores
+    monkeypatch.delenv("IPUKIT_PIN_WORKERS", raising=False)
+    if hasattr(os, "sched_setaffinity"):
+        assert pinned_slots(4, 2) == [0, 1, 0, 1] and pinned_slots(3, 2) == [0, 1, 0]
+    assert pinned_slots(2, 2) is None and pinned_slots(1, 4) is None
+    monkeypatch.setenv("IPUKIT_PIN_WORKERS", "0")
+    assert pinned_slots(4, 2) is None
 
 
 def test_dualpipev_pairs_are_forwards_next_to_backwards_of_the_other_stage():

@@ -28,6 +28,7 @@ from ..core.ops import running_on_ipu
 from ..compile.program import Program
 from ..schedules.ir import Schedule
 from ..timeline.events import Event, Timeline
+from ..timeline.simulate import pinned_slots
 from .abort import abort_call
 from . import watchdog as stall
 from ..core.errors import StallError
@@ -60,12 +61,11 @@ def worker_cores(workers: int) -> Optional[List[int]]:
     ZB-H1, paired rounds) and the convnet's within ±3 %; with no more workers than cores,
     pinning each to its own core changed nothing beyond noise, so they are left free.
     ``IPUKIT_PIN_WORKERS=0`` turns it off."""
-    if not hasattr(os, "sched_setaffinity") or os.environ.get("IPUKIT_PIN_WORKERS") == "0":
+    if not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
-    if workers <= len(cores):
-        return None
-    return [cores[i % len(cores)] for i in range(workers)]
+    slots = pinned_slots(workers, len(cores))
+    return None if slots is None else [cores[i] for i in slots]
 
 
 def pin_this_thread(core: Optional[int]) -> None:

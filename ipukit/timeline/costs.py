@@ -21,7 +21,9 @@ costs a real call pays on top of the blocks' compute:
   ``concurrency[k − 1] / k`` of its speed alone (:func:`~ipukit.timeline.simulate.play_shared`):
   the calibrated rate of k concurrent passes on worker threads, which holds the cores,
   the interpreter lock a pass holds for its Python side, and the slowdown of more
-  workers than cores;
+  workers than cores; with more workers than cores on a CPU the executor pins worker i
+  to core i mod the cores, and the model shares each core only among the passes pinned
+  to it (:func:`~ipukit.timeline.simulate.pinned_slots`);
   without it, at most ``cores`` passes run at once (workers beyond the cores wait);
 - passes that hold the interpreter lock (``lock_share``, measured per block beside a
   twin) also wait for each other's: a pass of share g beside passes of shares g_j runs
@@ -45,7 +47,7 @@ from typing import Dict, List, Optional, Sequence
 from ..schedules.build import build
 from ..schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, walk
 from .events import Event, Timeline
-from .simulate import play_shared
+from .simulate import pinned_slots, play_shared
 from .kinds import KIND_NAMES
 
 #: what the model says under a call with more worker threads than cores (CPU). Fair sharing
@@ -253,9 +255,12 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         if lock is not None:
             lock = {FORWARD: lock["forward"], BACKWARD: lock["backward"],
                     INPUT_GRAD: lock["input-grad"], WEIGHT_GRAD: lock["weight-grad"]}
+        # the executor pins workers that outnumber the cores: each core is shared by its own
+        pinned = (pinned_slots(workers, table.cores) if table.device.startswith("cpu")
+                  else None)
         times = play_shared(schedule.lanes, N, costs, transfers, start,
                             parallelism=table.concurrency, replicas=replicas,
-                            lock=lock, lock_whole=table.whole_lock_share())
+                            lock=lock, lock_whole=table.whole_lock_share(), pinned=pinned)
         rates = ", ".join(f"{r:.2f}" for r in table.concurrency[:workers])
         said = (f"{workers} workers on {table.cores} cores: k passes at once run at the "
                 f"calibrated rate of k concurrent passes ({rates} for k = 1, 2, …), an average")

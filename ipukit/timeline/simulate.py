@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+from collections import Counter
 from contextlib import contextmanager
 from itertools import repeat
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -292,15 +293,20 @@ def rate_of(parallelism: Optional[Sequence[float]], k: int) -> float:
     """
     if not parallelism or k < 1:
         return 1.0
+    return _total_rate(parallelism, k) / k
+
+
+def _total_rate(parallelism: Sequence[float], k: int) -> float:
     total = parallelism[k - 1] if k <= len(parallelism) else parallelism[-1]
-    return max(1e-9, min(float(k), float(total))) / k
+    return max(1e-9, min(float(k), float(total)))
 
 
 def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
                 transfers: Optional[Dict[str, Sequence[float]]] = None, start_time: float = 0.0,
                 parallelism: Optional[Sequence[float]] = None, replicas: int = 1,
                 exposed: bool = False, hidden: Optional[set] = None,
-                lock: Optional[Dict[str, Sequence[float]]] = None, lock_whole: float = 0.0
+                lock: Optional[Dict[str, Sequence[float]]] = None, lock_whole: float = 0.0,
+                pinned: Optional[Sequence[int]] = None
                 ) -> List[List[List[Tuple[float, float]]]]:
     """(start, end) of every action, ``times[replica][lane]``, with cores shared fairly.
 
@@ -328,6 +334,14 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     whose rate ``parallelism`` measured (so k whole-model passes still run at that rate,
     and small Python-bound passes that run together, such as a V schedule's last two
     stages, slow each other as they do when measured side by side).
+
+    ``pinned[w]``: the core worker ``w`` (replica-major, as the executor numbers them) is
+    pinned to (:func:`pinned_slots`). Then a core is shared only by the passes pinned to
+    it: a pass runs at ``e / n`` with n the passes running on its core and e the
+    calibrated efficiency of k passes at once (``parallelism[k − 1] ÷ min(k, cores)``,
+    at most 1, as measured by k threads pinned the same way). Passes spread evenly over
+    the cores run as without pinning; two on one core while another core idles run at
+    half speed each, where fair sharing over all the cores gave them a core each.
     """
     N, last = num_stages, num_stages - 1
     t_fwd, t_bwd = ((transfers or {}).get(k) or [0.0] * N for k in (FORWARD, BACKWARD))
@@ -363,14 +377,22 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     shared = parallelism is not None
     share = {k: (lock or {}).get(k) or [0.0] * N for k in cost}
 
+    slots = max(pinned) + 1 if pinned else 0
+
     def speeds(now_running: Dict[int, list]) -> Dict[int, float]:
         k = len(now_running)
-        base = rate_of(parallelism, k)
+        if pinned:
+            on = Counter(pinned[w] for w in now_running)
+            each = min(1.0, _total_rate(parallelism, k) / min(k, slots)) if parallelism else 1.0
+            base = {w: each / on[pinned[w]] for w in now_running}
+        else:
+            base = dict.fromkeys(now_running, rate_of(parallelism, k))
         if not lock or k < 2:
-            return {w: base for w in now_running}
-        base = min(1.0, base * (1 + (k - 1) * lock_whole ** 2))
+            return base
+        lift = 1 + (k - 1) * lock_whole ** 2
         total = sum(v[2] for v in now_running.values())
-        return {w: base / (1 + v[2] * (total - v[2])) for w, v in now_running.items()}
+        return {w: min(1.0, base[w] * lift) / (1 + v[2] * (total - v[2]))
+                for w, v in now_running.items()}
 
     def dependency(w: int) -> Optional[float]:
         r, li = workers[w]
@@ -477,6 +499,22 @@ def paired_actions(lanes: List[List[Action]]) -> set:
 
 
 # -- costs a contended run's passes would have had alone ----------------------------------------
+
+def pinned_slots(workers: int, cores: Optional[int] = None) -> Optional[List[int]]:
+    """Which of ``cores`` (default :func:`available_cores`) each of ``workers`` worker
+    threads is pinned to, ``i`` mod the cores, or None where the executor leaves them free:
+    with no more workers than cores, where the OS cannot pin a thread, or with
+    ``IPUKIT_PIN_WORKERS=0`` (the rule :func:`ipukit.runtime.executor.worker_cores` applies,
+    and the model shares each core among the workers pinned to it)."""
+    import os
+
+    if not hasattr(os, "sched_setaffinity") or os.environ.get("IPUKIT_PIN_WORKERS") == "0":
+        return None
+    cores = available_cores() if cores is None else int(cores)
+    if cores < 1 or workers <= cores:
+        return None
+    return [i % cores for i in range(workers)]
+
 
 def available_cores() -> int:
     """Cores this process may run on: what the executor shares among its workers.
