@@ -227,10 +227,11 @@ def thread_gain(repeats: int = 5) -> float:
     ops (a ViT layer's MLP, forward and backward, on 32 × 17 tokens) than one thread does:
     the median of ``repeats`` interleaved timings of each. 1.0 where the caller has one.
 
-    On this 2-core VM the gain of two threads flips between about 1.5 and 1.0 (OpenMP's
-    fork and join on small ops), in spells of seconds to minutes, while a large matrix
-    product keeps its 1.9-2.0: a call on the calling thread (sharded) runs 1.35× slower in
-    the slow spell, and one calibrated in the other spell is modeled that much off."""
+    On this 2-core VM the gain of two threads flips between about 1.65 and 1.1-1.25
+    (OpenMP's fork and join on small ops), in spells of seconds to minutes, while a large
+    matrix product keeps its 1.9-2.0: the sharded ViT call, on the calling thread, runs
+    1.35× slower in the slow spell (345-380 against 250-270 ms), and one calibrated in the
+    other spell is modeled that much off."""
     threads = torch.get_num_threads()
     if threads == 1:
         return 1.0
@@ -442,9 +443,10 @@ def _cause(row: Dict, cores: int, device: str = "CPU") -> str:
                       "recording) takes turns at the lock too, which the model charges only "
                       "as a fixed cost per pass and a hand-off's latency")
     elif row.get("workers", 1) > cores:
-        causes.append(f"{row['workers']} workers on {cores} cores: the model shares the cores "
-                      "at the average calibrated rate; which worker the interpreter lock and "
-                      "the scheduler favour is not modeled")
+        causes.append(f"{row['workers']} workers on {cores} cores, pinned round robin: the "
+                      "model shares each core among its own workers' passes at the average "
+                      "calibrated rate; which of them the scheduler runs first, and a ready "
+                      "worker waiting out the other's time slice, are not modeled")
     elif row.get("workers", 1) > 1:
         causes.append("workers contend for the interpreter lock; the table's lock shares "
                       "are each block's beside its twin, not beside the passes it meets in "

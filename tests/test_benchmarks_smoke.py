@@ -99,3 +99,26 @@ def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
     assert "- m, a (ratio 0.70" in text and "mostly time outside the passes" in text
     assert "- m, b (ratio 1.30" in text and "the table modeled them at 1.35×" in text
     assert "- m, c (" not in text
+
+
+def test_calibration_names_a_flip_of_the_two_threads_gain_on_a_one_worker_row():
+    import torch
+    from benchmarks.calibration import _cause, _seconds, thread_gain
+
+    one = {"model": "m", "config": "sharded, 1 IPU", "kind": "sharded", "workers": 1,
+           "ratio": 0.72, "model_vs_replay": 0.73, "replay_vs_measured": 0.98}
+    flipped = _cause(dict(one, thread_gain=[(1.65, 1.15), (1.64, 1.66)]), 2)
+    assert "in 1 of 2 rounds (1.65 → 1.15)" in flipped and "spells" in flipped
+    steady = _cause(dict(one, thread_gain=[(1.65, 1.60)]), 2)
+    assert "spells" not in steady and "the machine's speed" in steady
+    assert _seconds([2.0, 1.5]) == "2.00, 1.50 s"
+    assert _seconds([2.0, 1.5, 1.75, 1.6]) == ("2.00 s the first, then 1.50–1.75 s "
+                                               "(median 1.60) over 3 more")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert thread_gain(repeats=1) == 1.0        # one thread has nothing to gain
+        torch.set_num_threads(2)
+        assert thread_gain(repeats=1) > 0 and torch.get_num_threads() == 2   # restored
+    finally:
+        torch.set_num_threads(threads)
