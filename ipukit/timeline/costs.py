@@ -55,12 +55,12 @@ from .kinds import KIND_NAMES
 #: and then, and the critical path pays for those waits (each thread's run-queue time,
 #: read from ``/proc/thread-self/schedstat``: 6-11 ms a call per light stage of the
 #: convnet's 1F1B on 4 IPUs, waits of 2-4 ms on its critical path). Measured, not modeled
-#: (``benchmarks/calibration.md``, 2-core VM, the workers pinned and modeled so, four runs):
-#: such calls ran up to a third slower than modeled (model ÷ measured 0.75-0.99; the
-#: convnet's 0.75-0.96, the ViT's 0.89-0.99)
+#: (``benchmarks/calibration.md``, 2-core VM, the workers pinned and modeled so):
+#: such calls ran up to 45 % slower than modeled (model ÷ measured 0.69-0.99 over five
+#: runs; the convnet's 0.69-0.96, the ViT's 0.89-0.99)
 OVERSUBSCRIBED_NOTE = ("; with more workers than cores a ready worker now and then waits for "
                        "a time slice, which an average leaves out: such calls measured up to "
-                       "a third slower than modeled on a 2-core machine "
+                       "45 % slower than modeled on a 2-core machine "
                        "(benchmarks/calibration.md)")
 
 
