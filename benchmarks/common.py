@@ -1,6 +1,7 @@
 """Timing helpers, run sizes (full and smoke) and machine facts shared by the suite."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -164,3 +165,13 @@ def median(values: List[float]) -> float:
 
 def as_dict(sizes: Sizes) -> dict:
     return asdict(sizes)
+
+
+def write_result(out: str, name: str, result: Dict, text: str) -> None:
+    """``<out>/<name>.json`` (the result) and ``<out>/<name>.md`` (its report), then print it."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -103,12 +105,16 @@ def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
 
 def test_calibration_names_a_flip_of_the_two_threads_gain_on_a_one_worker_row():
     import torch
-    from benchmarks.calibration import _cause, _seconds, thread_gain
+    from benchmarks.calibration import _cause, _seconds, machine_ms, thread_gain
 
     one = {"model": "m", "config": "sharded, 1 IPU", "kind": "sharded", "workers": 1,
            "ratio": 0.72, "model_vs_replay": 0.73, "replay_vs_measured": 0.98}
     flipped = _cause(dict(one, thread_gain=[(1.65, 1.15), (1.64, 1.66)]), 2)
     assert "in 1 of 2 rounds (1.65 → 1.15)" in flipped and "spells" in flipped
+    slower = _cause(dict(one, thread_gain=[(1.65, 1.60)],
+                         machine_ms=[(10.0, 13.0), (10, 10.5)]), 2)
+    assert "own speed moved between the calibration and the calls in 1 of 2 rounds" in slower
+    assert "10.0 → 13.0 ms" in slower
     steady = _cause(dict(one, thread_gain=[(1.65, 1.60)]), 2)
     assert "spells" not in steady and "the machine's speed" in steady
     assert _seconds([2.0, 1.5]) == "2.00, 1.50 s"
@@ -118,7 +124,41 @@ def test_calibration_names_a_flip_of_the_two_threads_gain_on_a_one_worker_row():
     try:
         torch.set_num_threads(1)
         assert thread_gain(repeats=1) == 1.0        # one thread has nothing to gain
+        assert machine_ms(repeats=1) > 0
         torch.set_num_threads(2)
         assert thread_gain(repeats=1) > 0 and torch.get_num_threads() == 2   # restored
     finally:
         torch.set_num_threads(threads)
+
+
+def test_busy_gap_is_measured_against_the_modeled_range_where_there_is_one():
+    from benchmarks.calibration import _gap_points, _modeled_busy
+
+    # a share inside its range is 0 points off; outside, the distance to the nearer end
+    assert _gap_points([0.5, 0.3], [(0.4, 0.6), (0.35, 0.5)]) == pytest.approx(5.0)
+    assert _gap_points([0.5, 0.3], [(0.5, 0.5), (0.3, 0.3)]) == 0.0
+    assert _gap_points([0.5], [(0.4, 0.6), (0.1, 0.2)]) is None
+    assert _modeled_busy({"busy_range": [(0.4, 0.6)], "busy_modeled": [0.6]}) == "40%–60%"
+    assert _modeled_busy({"busy_range": None, "busy_modeled": [0.6, 0.25]}) == "60%, 25%"
+
+
+def test_busy_spread_reports_each_process_against_the_modeled_range():
+    from benchmarks.busy_spread import report
+
+    def proc(busy, calls):
+        return {"measured_ms": 100.0, "modeled_ms": 95.0, "in_turn_ms": 96.0,
+                "busy_measured": busy, "busy_modeled": [0.8, 0.8, 0.6, 0.5],
+                "busy_range": [(0.5, 0.8), (0.6, 0.8), (0.4, 0.6), (0.3, 0.5)],
+                "busy_calls": calls}
+
+    # core 0 (IPUs 0, 2) sliced in the first process, core 1 (IPUs 1, 3) in the second
+    one = proc([0.8, 0.6, 0.6, 0.3], [[0.8, 0.6, 0.6, 0.3], [0.7, 0.65, 0.5, 0.3]])
+    two = proc([0.5, 0.8, 0.2, 0.5], [[0.5, 0.8, 0.2, 0.5]])
+    text = report({"rows": [{"model": "vit", "config": "1f1b, 4 IPUs", "processes": [one, two]}],
+                   "calls": 2, "processes": 2, "cores": 2, "torch": "x"})
+    assert "| vit | 1f1b, 4 IPUs | 1 | 100 | 95 | 80%, 60%, 60%, 30% |" in text
+    assert "core 0: slices, core 1: in turn" in text
+    assert "core 0: in turn, core 1: slices" in text
+    assert "moved by 30, 20, 40, 20 points" in text         # between the processes
+    assert "by up to 10." in text                            # between one process's calls
+    assert "modeled range: 1 of 2 processes; of the sliced value alone: 0 of 2." in text

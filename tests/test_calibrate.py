@@ -126,6 +126,29 @@ def test_more_workers_than_cores_are_modeled_pinned_as_the_executor_pins_them(mo
         assert pinned == free
 
 
+def test_more_workers_than_cores_model_each_ipus_busy_share_as_a_range(monkeypatch):
+    # which of a core's two workers runs is the OS's: the model gives each IPU's busy share
+    # from passes run in turn (low) to time slices (the timeline's own, high)
+    t = table(cores=2, concurrency=[1.0, 2.0, 2.0, 2.0])
+    monkeypatch.delenv("IPUKIT_PIN_WORKERS", raising=False)
+    tl = model_call(t, "1f1b", even_split(t.blocks, 4), 8)
+    if not hasattr(os, "sched_setaffinity"):
+        assert "busy_range" not in tl.meta
+        return
+    busy = tl.utilisation()["per_ipu"]
+    ranges = tl.meta["busy_range"]
+    assert sorted(ranges) == sorted(busy) == [0, 1, 2, 3]
+    for ipu, (lo, hi) in ranges.items():
+        assert lo <= busy[ipu] + 1e-12 and busy[ipu] <= hi + 1e-12
+    assert any(hi - lo > 0.01 for lo, hi in ranges.values())
+    assert tl.meta["in_turn_wall_time"] > 0
+    assert any("busy share is modeled as a range" in n for n in tl.meta["notes"])
+    # enough cores, or a GPU: one value, no range
+    assert "busy_range" not in model_call(t, "1f1b", even_split(t.blocks, 2), 8).meta
+    gpu = dataclasses.replace(t, device="cuda:0")
+    assert "busy_range" not in model_call(gpu, "1f1b", even_split(t.blocks, 4), 8).meta
+
+
 def test_a_pipeline_costs_its_blocks_as_timed_on_a_worker_thread():
     # on_worker: the blocks timed on a worker thread (fewer intra-op threads than the
     # calling thread, which times the fields one-worker calls use)

@@ -92,6 +92,20 @@ def test_utilisation_figure_in_percent_from_a_timeline_or_a_dict():
     assert f"{timed.throughput():,.0f} samples/s" in sub
 
 
+def test_utilisation_figure_draws_a_modeled_busy_range_as_whiskers():
+    tl = ipukit.simulate("1f1b", 2, 4, forward_cost=1.0, backward_cost=2.0)
+    per = tl.utilisation()["per_ipu"]
+    assert plots.utilisation_figure(tl).data[0].error_y.array is None
+    ranged = Timeline(tl.events, modeled=True,
+                      meta=dict(tl.meta, busy_range={0: (per[0] - 0.2, per[0]),
+                                                     1: (per[1] - 0.1, per[1] + 0.05)}))
+    fig = plots.utilisation_figure(ranged)
+    bar = fig.data[0]
+    assert list(bar.error_y.arrayminus) == pytest.approx([20.0, 10.0])
+    assert list(bar.error_y.array) == pytest.approx([0.0, 5.0])
+    assert "whiskers" in fig.layout.title.text and "modeled range" in bar.hovertemplate
+
+
 def test_breakdown_figure_stacks_the_idle_parts_to_100_and_labels_speed():
     runs = {"pipelined": ipukit.simulate("1f1b", 4, 8, forward_cost=[1, 2, 1, 1], step_cost=2.0,
                                          host_overhead=3.0, samples=320),

@@ -257,6 +257,26 @@ def test_pinned_workers_share_only_their_own_core(monkeypatch):
     assert pinned_slots(4, 2) is None
 
 
+def test_a_core_serving_its_pinned_workers_in_turn_starts_a_pass_when_it_gets_the_core():
+    # four replicas of one stage, a forward of cost 1 each, two workers on each core
+    lanes = build("gpipe", 1, 1, 1).lanes
+    costs = {"F": [1.0], "B": [0.0], "S": [0.0]}
+    rate = [1.0, 2.0, 2.0, 2.0]
+    sliced = play_shared(lanes, 1, costs, parallelism=rate, replicas=4, pinned=[0, 1, 0, 1])
+    turns = play_shared(lanes, 1, costs, parallelism=rate, replicas=4, pinned=[0, 1, 0, 1],
+                        in_turn=True)
+    spans = sorted(x for rep in sliced for x in rep[0][0])
+    assert spans == pytest.approx([0.0] * 4 + [2.0] * 4)     # all four stretched to 2
+    spans = sorted(rep[0][0] for rep in turns)
+    # each core runs one worker's pass, then the other's: the second starts at 1
+    assert [x for span in spans for x in span] == pytest.approx([0, 1, 0, 1, 1, 2, 1, 2])
+    # the same work on the same cores: the call ends together; only the busy time differs
+    assert max(e for _, e in spans) == pytest.approx(2.0)
+    # without pins (no more workers than cores) there is nothing to take turns at
+    assert play_shared(lanes, 1, costs, parallelism=rate, replicas=2, in_turn=True) == \
+        play_shared(lanes, 1, costs, parallelism=rate, replicas=2)
+
+
 def test_dualpipev_pairs_are_forwards_next_to_backwards_of_the_other_stage():
     sch = build("dualpipev", 4, 8, 1, placement("dualpipev", 4))
     pairs = paired_actions(sch.lanes)

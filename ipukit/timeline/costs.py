@@ -63,6 +63,11 @@ OVERSUBSCRIBED_NOTE = ("; with more workers than cores a ready worker now and th
                        "45 % slower than modeled on a 2-core machine "
                        "(benchmarks/calibration.md)")
 
+IN_TURN_NOTE = ("; which of a core's workers runs is the OS's choice: Linux shared a core "
+                "in slices in one process and ran its workers' passes in turn in the next, "
+                "so each IPU's busy share is modeled as a range, from passes run in turn "
+                "to slices (busy_range; benchmarks/busy_spread.py)")
+
 
 @dataclass
 class CostTable:
@@ -250,6 +255,7 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
                             for s in range(N)]}
     start = table.host_before
     notes: List[str] = []
+    in_turn = None
     if cores is None and table.concurrency and concurrent:
         # k passes at once share the CPU at the calibrated rate of k concurrent passes
         limit = None
@@ -263,12 +269,17 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         times = play_shared(schedule.lanes, N, costs, transfers, start,
                             parallelism=table.concurrency, replicas=replicas,
                             lock=lock, lock_whole=table.whole_lock_share(), pinned=pinned)
+        if pinned:   # the other end of what the OS does with a core's workers: in turn
+            in_turn = play_shared(schedule.lanes, N, costs, transfers, start,
+                                  parallelism=table.concurrency, replicas=replicas,
+                                  lock=lock, lock_whole=table.whole_lock_share(),
+                                  pinned=pinned, in_turn=True)
         rates = ", ".join(f"{r:.2f}" for r in table.concurrency[:workers])
         said = (f"{workers} workers on {table.cores} cores: k passes at once run at the "
                 f"calibrated rate of k concurrent passes ({rates} for k = 1, 2, …), an average")
         if workers > table.cores and table.device.startswith("cpu"):
             # measured, not modeled: benchmarks/calibration.md's 4-worker rows on 2 cores
-            said += OVERSUBSCRIBED_NOTE
+            said += OVERSUBSCRIBED_NOTE + IN_TURN_NOTE
         else:
             said += ("; which worker the interpreter lock and the scheduler favour at each "
                      "moment is not modeled")
@@ -285,17 +296,22 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     if training and schedule.kind in ("zb-h1", "zbv", "dualpipev") and "input-grad" not in c:
         notes.append(f"split backward modeled as {1 - table.weight_share:.0%} / "
                      f"{table.weight_share:.0%} of a full backward (I and W not measured)")
-    events: List[Event] = []
-    if table.host_before > 0:
-        events.append(Event(-1, "host", -1, 0.0, table.host_before, -1, 0, 0, 0))
-    for replica in range(replicas):
-        for lane, lane_times in zip(schedule.lanes, times[replica]):
-            events += [Event(s, KIND_NAMES[k], m, a, b, ipus[s], replica, it, 0)
-                       for (k, s, m, it), (a, b) in zip(lane, lane_times)]
-    end = max((e.end for e in events), default=start)
-    if table.host_after > 0:
-        events.append(Event(-1, "host", -1, end, end + table.host_after, -1, 0,
-                            schedule.iterations - 1, 0))
+
+    def events_of(times) -> List[Event]:
+        events: List[Event] = []
+        if table.host_before > 0:
+            events.append(Event(-1, "host", -1, 0.0, table.host_before, -1, 0, 0, 0))
+        for replica in range(replicas):
+            for lane, lane_times in zip(schedule.lanes, times[replica]):
+                events += [Event(s, KIND_NAMES[k], m, a, b, ipus[s], replica, it, 0)
+                           for (k, s, m, it), (a, b) in zip(lane, lane_times)]
+        end = max((e.end for e in events), default=start)
+        if table.host_after > 0:
+            events.append(Event(-1, "host", -1, end, end + table.host_after, -1, 0,
+                                schedule.iterations - 1, 0))
+        return events
+
+    events = events_of(times)
     meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": micro_batches,
             "iterations": schedule.iterations, "replicas": replicas, "stage_ipus": ipus,
             "stage_blocks": [list(b) for b in stage_blocks], "calibrated": True,
@@ -303,4 +319,12 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
             "notes": notes}
     if samples is not None:
         meta["samples"] = samples
+    if in_turn is not None:
+        # the busy shares span what the OS may do with a core's workers (IN_TURN_NOTE)
+        shared = Timeline(events).utilisation()["per_ipu"]
+        turns = Timeline(events_of(in_turn), modeled=True)
+        by_turn = turns.utilisation()["per_ipu"]
+        meta["busy_range"] = {i: (min(shared[i], by_turn.get(i, 0.0)),
+                                  max(shared[i], by_turn.get(i, 0.0))) for i in shared}
+        meta["in_turn_wall_time"] = turns.wall_time
     return Timeline(events, modeled=True, meta=meta)

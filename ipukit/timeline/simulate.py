@@ -306,7 +306,7 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
                 parallelism: Optional[Sequence[float]] = None, replicas: int = 1,
                 exposed: bool = False, hidden: Optional[set] = None,
                 lock: Optional[Dict[str, Sequence[float]]] = None, lock_whole: float = 0.0,
-                pinned: Optional[Sequence[int]] = None
+                pinned: Optional[Sequence[int]] = None, in_turn: bool = False
                 ) -> List[List[List[Tuple[float, float]]]]:
     """(start, end) of every action, ``times[replica][lane]``, with cores shared fairly.
 
@@ -342,6 +342,15 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     at most 1, as measured by k threads pinned the same way). Passes spread evenly over
     the cores run as without pinning; two on one core while another core idles run at
     half speed each, where fair sharing over all the cores gave them a core each.
+
+    ``in_turn`` (with ``pinned``): each core runs its passes one at a time, oldest first,
+    each at ``e``; a pass's span starts when it gets the core (a thread that waits for a
+    core has not started its pass). Time slicing (the default) and this are the two ends
+    of what Linux did with two workers on one core: in one process a core's pair of
+    workers shared it in slices, in the next the same pair took turns whole passes at a
+    time (benchmarks/busy_spread.py). The call's time differs little between the two;
+    the busy shares differ by up to 25 points per IPU (:func:`ipukit.calibrate.model_call`
+    reports both).
     """
     N, last = num_stages, num_stages - 1
     t_fwd, t_bwd = ((transfers or {}).get(k) or [0.0] * N for k in (FORWARD, BACKWARD))
@@ -378,6 +387,8 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     share = {k: (lock or {}).get(k) or [0.0] * N for k in cost}
 
     slots = max(pinned) + 1 if pinned else 0
+    in_turn = bool(in_turn and pinned)
+    now_at = [start_time]             # the model's clock, for a pass that gets its core
 
     def speeds(now_running: Dict[int, list]) -> Dict[int, float]:
         k = len(now_running)
@@ -385,12 +396,22 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
             on = Counter(pinned[w] for w in now_running)
             each = min(1.0, _total_rate(parallelism, k) / min(k, slots)) if parallelism else 1.0
             base = {w: each / on[pinned[w]] for w in now_running}
+            if in_turn:
+                first: Dict[int, int] = {}
+                for w in sorted(now_running, key=lambda w: (now_running[w][1], w)):
+                    first.setdefault(pinned[w], w)
+                k = len(first)       # passes running: one per busy core
+                each = min(1.0, _total_rate(parallelism, k) / k) if parallelism else 1.0
+                base = {w: each if first[pinned[w]] == w else 0.0 for w in now_running}
+                for w in first.values():
+                    if len(now_running[w]) < 4:
+                        now_running[w].append(now_at[0])    # the pass gets its core
         else:
             base = dict.fromkeys(now_running, rate_of(parallelism, k))
         if not lock or k < 2:
             return base
         lift = 1 + (k - 1) * lock_whole ** 2
-        total = sum(v[2] for v in now_running.values())
+        total = sum(v[2] for w, v in now_running.items() if base[w] > 0)
         return {w: min(1.0, base[w] * lift) / (1 + v[2] * (total - v[2]))
                 for w, v in now_running.items()}
 
@@ -445,8 +466,10 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
             if t is not None:
                 waiting.discard(w)
                 heapq.heappush(ready, (t, w))
+        now_at[0] = now
         rate = speeds(running) if running else {}
-        t_done = now + min(v[0] / rate[w] for w, v in running.items()) if running else inf
+        t_done = now + min(v[0] / rate[w] for w, v in running.items() if rate[w] > 0) \
+            if running else inf
         t_fixed = min((e for _, e in fixed.values()), default=inf)
         t_ready = ready[0][0] if ready else inf
         nxt = min(t_done, t_fixed, t_ready)
@@ -458,8 +481,8 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
         now = max(now, nxt)
         if running and nxt == t_done:
             for w in [w for w, v in running.items() if v[0] <= 1e-12 * (1 + abs(now))]:
-                start = running.pop(w)[1]
-                finish(w, start, now)
+                v = running.pop(w)
+                finish(w, v[3] if len(v) > 3 else v[1], now)
         for w in [w for w, (_, e) in fixed.items() if e <= now]:
             start, end = fixed.pop(w)
             finish(w, start, end)
