@@ -44,10 +44,10 @@ def measure(name: str, labels: List[str], calls: int, ga: int = 8, di: int = 2) 
     """In this process: each row of ``name`` in ``labels`` calibrated, modeled and measured."""
     import torch
 
-    import ipukit
     from ipukit.calibrate import calibrate, model_call
 
-    from .calibration import _busy, _busy_range, _median_busy, _options, configs, setup
+    from .calibration import (_busy, _busy_range, _median_busy, _options, _timed_calls,
+                              configs, setup)
 
     net, (x, y), blocks, (X, Y) = setup(name, ga, di)
     n = len(X)
@@ -59,16 +59,7 @@ def measure(name: str, labels: List[str], calls: int, ga: int = 8, di: int = 2) 
                           optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), cache=False)
         modeled = model_call(table, kind, stages, ga, iterations=di, stage_ipus=ipus,
                              samples=n)
-        model = ipukit.trainingModel(net, _options(kind, stages, ipus, ga, di),
-                                     optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4))
-        timelines = []
-        try:
-            model(X, Y)
-            for _ in range(calls):
-                model(X, Y)
-                timelines.append(model.getTimeline())
-        finally:
-            model.destroy()
+        _, timelines = _timed_calls(net, _options(kind, stages, ipus, ga, di), X, Y, calls)
         out.append({"model": name, "config": label,
                     "measured_ms": statistics.median(t.wall_time for t in timelines) * 1e3,
                     "modeled_ms": modeled.wall_time * 1e3,

@@ -115,6 +115,9 @@ def test_calibration_names_a_flip_of_the_two_threads_gain_on_a_one_worker_row():
                          machine_ms=[(10.0, 13.0), (10, 10.5)]), 2)
     assert "own speed moved between the calibration and the calls in 1 of 2 rounds" in slower
     assert "10.0 → 13.0 ms" in slower
+    again = _cause(dict(one, retried=[(10.0, 14.0)], machine_ms=[(10.0, 10.4)]), 2)
+    assert "measured again in 1 rounds whose machine speed moved (10.0 → 14.0 ms)" in again
+    assert "own speed moved" not in again
     steady = _cause(dict(one, thread_gain=[(1.65, 1.60)]), 2)
     assert "spells" not in steady and "the machine's speed" in steady
     assert _seconds([2.0, 1.5]) == "2.00, 1.50 s"
@@ -162,3 +165,25 @@ def test_busy_spread_reports_each_process_against_the_modeled_range():
     assert "moved by 30, 20, 40, 20 points" in text         # between the processes
     assert "by up to 10." in text                            # between one process's calls
     assert "modeled range: 1 of 2 processes; of the sliced value alone: 0 of 2." in text
+
+
+def test_the_calibration_benchmark_waits_for_the_machines_own_speed(monkeypatch):
+    import benchmarks.calibration as cal
+
+    readings = iter([20.0, 13.0, 11.5, 9.0])
+    monkeypatch.setattr(cal, "machine_ms", lambda repeats=5: next(readings))
+    monkeypatch.setattr(cal.time, "sleep", lambda s: None)
+    fastest = [10.0]
+    cal.wait_for_speed(fastest, within=1.2)           # 20 and 13 too slow; 11.5 ≤ 12
+    assert next(readings) == 9.0 and fastest == [10.0]
+    fastest = [float("inf")]
+    monkeypatch.setattr(cal, "machine_ms", lambda repeats=5: 30.0)
+    cal.wait_for_speed(fastest)                       # the first reading is the fastest
+    assert fastest == [30.0]
+    rows = [{"machine_ms": [(10.0, 11.0)], "retried": [(10.0, 14.0)], "waited_s": 4.0},
+            {"machine_ms": [(12.0, 12.5), (10.0, 12.0)]}]
+    text = cal._quiet_summary({"rows": rows, "quiet": True})
+    assert "read 10.0–12.5 ms" in text and "1 rounds were measured again" in text
+    assert "in 1 of 3 rounds kept" in text and "waited 4 s in all" in text
+    text = cal._quiet_summary({"rows": rows})
+    assert "measured again" not in text and "--quiet waits for it" in text
