@@ -348,8 +348,8 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     core has not started its pass). Time slicing (the default) and this are the two ends
     of what Linux did with two workers on one core: in one process a core's pair of
     workers shared it in slices, in the next the same pair took turns whole passes at a
-    time (benchmarks/busy_spread.py). The call's time differs little between the two;
-    the busy shares differ by up to 25 points per IPU (:func:`ipukit.calibrate.model_call`
+    time (benchmarks/busy_spread.py). The call's time differs by 0.77–1.12× between the two,
+    the busy shares by up to 36 points per IPU (:func:`ipukit.calibrate.model_call`
     reports both).
     """
     N, last = num_stages, num_stages - 1
