@@ -48,7 +48,7 @@ from ipukit.calibrate import calibrate, even_split, model_call  # noqa: E402
 from ipukit.schedules import placement  # noqa: E402
 from ipukit.timeline.simulate import available_cores  # noqa: E402
 
-from .common import write_result  # noqa: E402
+from .common import read_results, write_result  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -118,7 +118,7 @@ def _busy(tl) -> List[float]:
 
 def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
         rounds: int = 3, smoke: bool = False, per_row: bool = True, quiet: bool = False,
-        retries: int = 2) -> Dict:
+        retries: int = 2, kinds: Optional[List[str]] = None) -> Dict:
     """Measure every configuration in ``rounds`` rounds, calibrating the model afresh right
     before each row's calls (``per_row``, the default; else once per round, first): each
     round builds every configuration's model afresh, warms it up and
@@ -139,13 +139,18 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
     ``retries`` times; the report counts both. Off by default: on 2026-11-26 it measured
     61 rounds again and waited 217 s, and 12 rows of 26 came within ±15 % against 15 in
     the run before it without (the speed moved within a row's seconds, not only between
-    them)."""
+    them).
+
+    ``kinds`` keeps only those schedules' rows (``"sharded"``, ``"gpipe"``, ...), so one
+    table can be measured in parts side by side on separate cores and joined with
+    :func:`merge` (``benchmarks/cpu_pairs.sh``)."""
     rows = []
     tables = {}
     for name in models:
         net, (x, y), blocks, (X, Y) = setup(name, ga, di)
         n = len(X)
-        chosen = configs(blocks)[: 3 if smoke else None]
+        chosen = [c for c in configs(blocks) if not kinds or c[1] in kinds]
+        chosen = chosen[: 3 if smoke else None]
         walls: List[List[List[float]]] = [[] for _ in chosen]
         timelines: List[list] = [[] for _ in chosen]
         modeled: List[list] = [[] for _ in chosen]
@@ -174,7 +179,8 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
         for r in range(rounds):
             table = None if per_row else measure_table()
             for i, (label, kind, stages, ipus) in enumerate(chosen):
-                for attempt in range(1 + (retries if per_row and quiet else 0)):
+                attempts = 1 + (retries if per_row and quiet else 0)
+                for attempt in range(attempts):
                     if per_row:
                         if quiet:
                             waited[i] += wait_for_speed(fastest)
@@ -186,7 +192,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                     after = (thread_gain(), machine_ms())
                     fastest[0] = min(fastest[0], after[1], at_calibration[1])
                     if abs(after[1] / at_calibration[1] - 1) < SPEED_MOVED or \
-                            attempt == retries or not per_row:
+                            attempt == attempts - 1:
                         break
                     retried[i].append((at_calibration[1], after[1]))
                 modeled[i].append(tl_model)
@@ -253,7 +259,9 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
     return {"tables": tables, "rows": rows, "ga": ga, "di": di, "calls": calls,
             "quiet": quiet,
             "rounds": rounds, "per_row": per_row, "cores": available_cores(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load": os.getloadavg(), "device": _device_name()}
+            "torch": torch.__version__, "load": os.getloadavg(), "device": _device_name(),
+            "cpu": _cpu_name(), "affinity": sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity") else None}
 
 
 def _median_busy(timelines) -> List[float]:
@@ -401,6 +409,20 @@ def _device_name() -> str:
     return "CPU"
 
 
+def _cpu_name() -> str:
+    """The processor's model name, where Linux says it (else the platform's)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def _inside(row: Dict) -> bool:
     return abs(row["ratio"] - 1) <= 0.15
 
@@ -423,7 +445,13 @@ def report(result: Dict) -> str:
                 if result.get("per_row") else
                 "each round calibrates afresh and models from its own table")
              + "; model ÷ measured: "
-             "the median over rounds of the round's ratio, the rounds' in brackets)", "",
+             "the median over rounds of the round's ratio, the rounds' in brackets)"
+             + (f"; processor: {result['cpu']}" if result.get("cpu") else "")
+             + (f"; measured in {result['parts']} parts side by side, each on its own "
+                f"{result['cores']} cores (benchmarks/cpu_pairs.sh)"
+                if result.get("parts", 1) > 1 else "")
+             + (f"; {result['parts_missing']} part(s) did not finish in time: their rows "
+                "are missing" if result.get("parts_missing") else ""), "",
              "| model | configuration | measured ms/call | rounds' medians (spread) "
              "| modeled ms/call | model ÷ measured | model ÷ replay | replay ÷ measured "
              "| the same at mean passes | busy per IPU measured | busy per IPU modeled "
@@ -480,7 +508,8 @@ def report(result: Dict) -> str:
                          f"{r.get('spread', 0) * 100:.0f} %"
                          f"{', modeled inside it' if _in_spread(r) else ''}, "
                          f"load {r.get('load', 0):.1f}): "
-                         f"{_cause(r, result['cores'], result.get('device', 'CPU'))}")
+                         + _cause(r, result['cores'], result.get('device', 'CPU'),
+                                  quiet=result.get('quiet', False)))
         lines.append("")
     lines += ["Cost tables (seconds): " + "; ".join(
         f"{k}: per pass {v['per_pass'] * 1e6:.0f} µs, hand-off {v['handoff'] * 1e6:.0f} µs, "
@@ -561,7 +590,7 @@ def _split_ratio(table: Dict) -> List[str]:
             zip(table["input_grad"], table["weight_grad"], table["backward"])]
 
 
-def _cause(row: Dict, cores: int, device: str = "CPU") -> str:
+def _cause(row: Dict, cores: int, device: str = "CPU", quiet: bool = False) -> str:
     """What the model leaves out for a row outside a goal: the larger part of its error, from
     the row's own replay, then a hint of why."""
     causes = []
@@ -609,7 +638,9 @@ def _cause(row: Dict, cores: int, device: str = "CPU") -> str:
                       "interpreter lock, which the lock shares model (the convnet's ZBV on 2 "
                       "CPU cores: its last two stages' I and W ran 1.9-2.7× their costs alone "
                       "in the call; modeled with the shares, the row went from 0.80 to 0.88)")
-    again = row.get("retried") or []
+    # only --quiet measures a round again (before 2026-11-26 19:00 a run without it
+    # recorded the moved rounds here too, though it measured none of them again)
+    again = (row.get("retried") or []) if quiet else []
     if again:
         causes.append(f"measured again in {len(again)} rounds whose machine speed moved ("
                       + ", ".join(f"{a:.1f} → {b:.1f} ms" for a, b in again) + ")")
@@ -657,7 +688,8 @@ def _each_in_its_own_process(models, args) -> Dict:
                    "--out", out, "--calls", str(args.calls), "--rounds", str(args.rounds),
                    "--threads", str(args.threads), "--retries", str(args.retries)] + (
                        [] if args.per_row else ["--once-per-round"]) + (
-                       ["--quiet"] if args.quiet else [])
+                       ["--quiet"] if args.quiet else []) + (
+                       ["--kinds", args.kinds] if args.kinds else [])
             if args.smoke:
                 cmd.append("--smoke")
             subprocess.run(cmd, check=True, cwd=os.path.dirname(HERE))
@@ -669,6 +701,30 @@ def _each_in_its_own_process(models, args) -> Dict:
             merged["tables"].update(part["tables"])
             merged["rows"] += part["rows"]
             merged["load"] = part["load"]
+    return merged
+
+
+def merge(parts: List[Dict]) -> Dict:
+    """One table from parts measured side by side (``--kinds``, ``--models``): rows in the
+    order :func:`configs` gives them, each model's cost table from its first part, the
+    largest load; the parts must agree on the settings."""
+    keys = ("ga", "di", "calls", "rounds", "per_row", "cores", "threads", "device")
+    for part in parts[1:]:
+        differ = [k for k in keys if part.get(k) != parts[0].get(k)]
+        if differ:
+            raise ValueError(f"the parts differ in {', '.join(differ)}: measure them alike")
+    merged = dict(parts[0], tables={}, rows=[])
+    for part in parts:
+        for name, table in part["tables"].items():
+            merged["tables"].setdefault(name, table)
+        merged["rows"] += part["rows"]
+    order = {"convnet": 0, "vit": 1}
+    kinds = ["sharded", "gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "looped-bfs", "zbv",
+             "dualpipev"]
+    merged["rows"].sort(key=lambda r: (order.get(r["model"], 2), kinds.index(r["kind"]),
+                                       r.get("workers", 1), r["config"]))
+    merged["load"] = max((p["load"] for p in parts), key=lambda load: load[0])
+    merged["parts"] = len(parts)
     return merged
 
 
@@ -694,20 +750,30 @@ def main(argv=None) -> int:
                          "measure a round again when it moved (see run())")
     ap.add_argument("--retries", type=int, default=2,
                     help="times a round is measured again when the machine's speed moved")
+    ap.add_argument("--kinds", default="",
+                    help="only these schedules' rows, comma-separated (sharded, gpipe, ...)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="join parts measured side by side into one table in --out")
     ap.add_argument("--same-process", action="store_true",
                     help="measure every model in this process (default: each in a fresh one)")
     args = ap.parse_args(argv)
     if args.smoke and os.path.abspath(args.out) == HERE:
         ap.error("--smoke needs --out (it never writes over the recorded results)")
+    if args.merge:
+        result = merge(read_results(args.merge))
+        write_result(args.out, "calibration", result, report(result))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     models = tuple(args.models.split(","))
+    kinds = [k for k in args.kinds.split(",") if k] or None
     if len(models) > 1 and not args.same_process:
         result = _each_in_its_own_process(models, args)
     else:
         result = run(models, calls=2 if args.smoke else args.calls,
                      rounds=1 if args.smoke else args.rounds, smoke=args.smoke,
-                     per_row=args.per_row, quiet=args.quiet, retries=args.retries)
+                     per_row=args.per_row, quiet=args.quiet, retries=args.retries,
+                     kinds=kinds)
     write_result(args.out, "calibration", result, report(result))
     return 0
 

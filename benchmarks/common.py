@@ -167,6 +167,15 @@ def as_dict(sizes: Sizes) -> dict:
     return asdict(sizes)
 
 
+def read_results(paths) -> list:
+    """The results saved at ``paths`` (``write_result``'s JSON files), in that order."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
 def write_result(out: str, name: str, result: Dict, text: str) -> None:
     """``<out>/<name>.json`` (the result) and ``<out>/<name>.md`` (its report), then print it."""
     os.makedirs(out, exist_ok=True)

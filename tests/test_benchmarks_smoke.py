@@ -64,6 +64,12 @@ def test_help_prints_every_option():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for option in ("--smoke", "--out", "--threads", "--wait-idle", "--only"):
         assert option in proc.stdout
+    for module, options in (("calibration", ("--kinds", "--merge", "--quiet")),
+                            ("cpu_pairs", ("--replicas", "--pool"))):
+        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert all(option in proc.stdout for option in options), module
 
 
 def test_median_ratio_is_the_ratio_of_medians_with_a_bootstrap_noise():
@@ -115,9 +121,12 @@ def test_calibration_names_a_flip_of_the_two_threads_gain_on_a_one_worker_row():
                          machine_ms=[(10.0, 13.0), (10, 10.5)]), 2)
     assert "own speed moved between the calibration and the calls in 1 of 2 rounds" in slower
     assert "10.0 → 13.0 ms" in slower
-    again = _cause(dict(one, retried=[(10.0, 14.0)], machine_ms=[(10.0, 10.4)]), 2)
+    again = _cause(dict(one, retried=[(10.0, 14.0)], machine_ms=[(10.0, 10.4)]), 2,
+                   quiet=True)
     assert "measured again in 1 rounds whose machine speed moved (10.0 → 14.0 ms)" in again
     assert "own speed moved" not in again
+    # without --quiet no round is measured again, whatever an older run recorded
+    assert "measured again" not in _cause(dict(one, retried=[(10.0, 14.0)]), 2)
     steady = _cause(dict(one, thread_gain=[(1.65, 1.60)]), 2)
     assert "spells" not in steady and "the machine's speed" in steady
     assert _seconds([2.0, 1.5]) == "2.00, 1.50 s"
@@ -187,3 +196,73 @@ def test_the_calibration_benchmark_waits_for_the_machines_own_speed(monkeypatch)
     assert "in 1 of 3 rounds kept" in text and "waited 4 s in all" in text
     text = cal._quiet_summary({"rows": rows})
     assert "measured again" not in text and "--quiet waits for it" in text
+
+
+def test_the_table_measured_in_parts_on_separate_cores_joins_into_one(monkeypatch):
+    import subprocess
+
+    import benchmarks.cpu_pairs as cp
+    from benchmarks.calibration import merge, report
+
+    # two hyper-threads of each physical core: each part gets one CPU of two cores
+    lscpu = "# CPU,Core,Socket\n0,0,0\n1,1,0\n2,2,0\n3,3,0\n4,0,0\n5,1,0\n6,2,0\n7,3,0\n"
+    monkeypatch.setattr(cp.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(cp.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 0, stdout=lscpu))
+    cores = cp.physical_cores()
+    assert cores == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert cp.pairs(cores) == [[0, 1], [2, 3]]
+    assert cp.pairs(cores[:3]) == [[0, 1]]                 # a lone core is left out
+    assert [(r, m) for r, _, m, _ in cp.plan(2, 2)] == [(0, "convnet"), (0, "vit"), (0, "vit"),
+                                                        (0, "vit"), (1, "convnet"), (1, "vit"),
+                                                        (1, "vit"), (1, "vit")]
+
+    def row(model, kind, config, workers=2):
+        return {"model": model, "kind": kind, "config": config, "workers": workers,
+                "ratio": 1.0, "measured_ms": 10.0, "modeled_ms": 10.0, "busy_measured": [0.5],
+                "busy_modeled": [0.5], "busy_range": None, "busy_gap_points": 0.0}
+
+    def part(rows, load, tables):
+        return {"rows": rows, "load": [load, 0, 0], "tables": tables, "ga": 8, "di": 2,
+                "calls": 3, "rounds": 3, "per_row": True, "cores": 2, "threads": 2,
+                "device": "CPU", "torch": "x", "cpu": "Some CPU"}
+
+    vit_b = part([row("vit", "zbv", "zbv, 2 IPUs × 2 stages"),
+                  row("vit", "1f1b", "1f1b, 2 IPUs")], 3.0, {"vit": {"b": 1}})
+    conv = part([row("convnet", "sharded", "sharded, 1 IPU", 1)], 1.0, {"convnet": {"c": 1}})
+    vit_a = part([row("vit", "sharded", "sharded, 2 IPUs", 1)], 2.0, {"vit": {"a": 1}})
+    joined = merge([vit_b, conv, vit_a])
+    assert [r["config"] for r in joined["rows"]] == [
+        "sharded, 1 IPU", "sharded, 2 IPUs", "1f1b, 2 IPUs", "zbv, 2 IPUs × 2 stages"]
+    assert joined["tables"] == {"vit": {"b": 1}, "convnet": {"c": 1}}   # each model's first
+    assert joined["load"][0] == 3.0 and joined["parts"] == 3
+    text = report(dict(joined, tables={}))
+    assert "processor: Some CPU" in text and "measured in 3 parts side by side" in text
+    with pytest.raises(ValueError, match="differ in threads"):
+        merge([conv, dict(vit_a, threads=1)])
+
+
+def test_tables_measured_alike_pool_each_rows_rounds():
+    from benchmarks.cpu_pairs import pool, pooled_report
+
+    def table(ratios, busy, moved):
+        return {"cpu": "Some CPU", "cores": 2, "torch": "x", "rows": [
+            {"model": "m", "config": "1f1b, 2 IPUs", "round_ratios": ratios,
+             "ratio": sorted(ratios)[1], "busy_measured": busy, "busy_modeled": [0.9, 0.5],
+             "busy_range": None, "machine_ms": [(10.0, 12.0 if moved else 10.5)]}]}
+
+    # one table's slow spell (0.60-0.70) moves the pooled median less than its own
+    one = table([0.60, 0.65, 0.70], [0.95, 0.40], True)
+    two = table([0.95, 1.00, 1.05], [0.85, 0.55], False)
+    three = table([0.90, 1.10, 0.98], [0.90, 0.50], False)
+    got = pool([one, two, three])
+    row = got["rows"][0]
+    assert row["ratio"] == pytest.approx(0.95) and (row["low"], row["high"]) == (0.60, 1.10)
+    assert row["inside_rounds"] == 6 and row["rounds"] == 9
+    assert row["busy_measured"] == [0.90, 0.50] and row["busy_gap_points"] == 0.0
+    assert (got["moved"], got["rounds"]) == (1, 3)
+    text = pooled_report(got)
+    assert "| m | 1f1b, 2 IPUs | 0.95 | 0.60–1.10 | 6 of 9 | 0.65, 1.00, 0.98 |" in text
+    assert "1 of 1 rows within ±15 %, 1 within ±10 busy points" in text
+    with pytest.raises(ValueError, match="rows differ"):
+        pool([one, dict(two, rows=[dict(two["rows"][0], config="gpipe, 2 IPUs")])])
