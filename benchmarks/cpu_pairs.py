@@ -64,7 +64,7 @@ def pairs(cores: List[List[int]], per: int = 2) -> List[List[int]]:
     return [firsts[i:i + per] for i in range(0, len(firsts) - per + 1, per)]
 
 
-def plan(n_pairs: int, replicas: int) -> List[Tuple[int, int, str, str]]:
+def plan(replicas: int) -> List[Tuple[int, int, str, str]]:
     """(replica, part, model, kinds) for each process, in the order they start."""
     return [(r, p, model, kinds) for r in range(replicas)
             for p, (model, kinds) in enumerate(PARTS)]
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         return 0
     sets = pairs(physical_cores())
     replicas = args.replicas or max(1, min(2, len(sets) // len(PARTS)))
-    jobs = plan(len(sets), replicas)
+    jobs = plan(replicas)
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)

@@ -213,7 +213,7 @@ def test_the_table_measured_in_parts_on_separate_cores_joins_into_one(monkeypatc
     assert cores == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert cp.pairs(cores) == [[0, 1], [2, 3]]
     assert cp.pairs(cores[:3]) == [[0, 1]]                 # a lone core is left out
-    assert [(r, m) for r, _, m, _ in cp.plan(2, 2)] == [(0, "convnet"), (0, "vit"), (0, "vit"),
+    assert [(r, m) for r, _, m, _ in cp.plan(2)] == [(0, "convnet"), (0, "vit"), (0, "vit"),
                                                         (0, "vit"), (1, "convnet"), (1, "vit"),
                                                         (1, "vit"), (1, "vit")]
 
