@@ -209,7 +209,8 @@ def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[
 
 def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                          repeats: int = 5, between: Sequence[Callable[[], object]] = (),
-                         lock_shares: Optional[Dict[str, List[float]]] = None):
+                         lock_shares: Optional[Dict[str, List[float]]] = None,
+                         graph: Optional[Dict[str, list]] = None):
     """:func:`measure_blocks`, plus each block's split backward timed alone.
 
     Returns ``(forward, backward, input_grad, weight_grad, timeline)``: per block, the
@@ -232,8 +233,15 @@ def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Seq
     ``"input_grad"``, ``"weight_grad"``), with each block's interpreter-lock share
     (:func:`lock_share`): its passes timed on a worker thread with a twin running the same
     passes beside it, against alone.
+
+    ``graph``: a dict to fill with each block's ``"graph_walk"`` (seconds the autograd
+    engine takes to walk its graph once: :func:`graph_walk`) and ``"weight_calls"`` (the
+    separate gradient calls its ``W`` makes, one per parameter group), what a ``W`` of a
+    stage of several blocks pays beyond their sum (see
+    :attr:`ipukit.timeline.costs.CostTable.graph_walk`).
     """
-    return _measure(model, sample_inputs, block_order, repeats, True, between, lock_shares)
+    return _measure(model, sample_inputs, block_order, repeats, True, between, lock_shares,
+                    graph)
 
 
 def lock_share(alone: float, beside_twin: float, noise: float = 0.1) -> float:
@@ -261,7 +269,8 @@ def lock_share(alone: float, beside_twin: float, noise: float = 0.1) -> float:
 
 def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], repeats: int,
              split: bool, between: Sequence[Callable[[], object]] = (),
-             lock_shares: Optional[Dict[str, List[float]]] = None):
+             lock_shares: Optional[Dict[str, List[float]]] = None,
+             graph: Optional[Dict[str, list]] = None):
     from .core.options import Options
 
     repeats = max(1, int(repeats))
@@ -272,7 +281,9 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
     options.setExecutionStrategy(strategy_for(block_order, list(range(len(block_order))),
                                               sharded=True))
     shares: Optional[List[Dict[str, float]]] = [] if lock_shares is not None else None
-    probe = (lambda compiled: _split_probe(compiled, args, repeats, shares)) if split else None
+    walks: Optional[List[Tuple[float, int]]] = [] if graph is not None else None
+    probe = (lambda compiled: _split_probe(compiled, args, repeats, shares, walks)) \
+        if split else None
     with action_by_action():   # each pass timed alone, with a pipelined pass's bookkeeping
         more: List[Timeline] = []
         timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe,
@@ -300,18 +311,28 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
             for names, share in zip(stage_blocks, shares):
                 for b in names:
                     lock_shares[kind][index[b]] = share[kind]
+    if graph is not None and walks and len(walks) == len(stage_blocks):
+        index = {b: i for i, b in enumerate(block_order)}
+        graph["graph_walk"] = [0.0] * len(block_order)
+        graph["weight_calls"] = [0] * len(block_order)
+        for names, (seconds, calls) in zip(stage_blocks, walks):
+            for b in names:
+                graph["graph_walk"][index[b]] = seconds / len(names)
+                graph["weight_calls"][index[b]] = calls
     if halves is None:
         out[2] = out[3] = None
     return out[0], out[1], out[2], out[3], timeline
 
 
 def _split_probe(compiled, args: Tuple, repeats: int,
-                 shares: Optional[List[Dict[str, float]]] = None):
+                 shares: Optional[List[Dict[str, float]]] = None,
+                 walks: Optional[List[Tuple[float, int]]] = None):
     """Per stage of ``compiled`` (a one-block-per-stage training model): median seconds of
     a direct full backward, of ``I`` and of ``W`` (None if the stages cannot be driven).
 
     ``shares``: a list to append each stage's interpreter-lock shares to (per pass kind,
-    :func:`lock_share`), its passes timed on worker threads alone and beside a twin."""
+    :func:`lock_share`), its passes timed on worker threads alone and beside a twin.
+    ``walks``: a list to append each stage's ``(graph_walk(...), weight calls)`` to."""
 
     from .runtime.gpu_clock import on_device_of, settle
 
@@ -325,6 +346,16 @@ def _split_probe(compiled, args: Tuple, repeats: int,
 
     def item(outs, index):     # outs: a stage's outputs as a tuple
         return outs[index or 0]
+
+    def forward(stage, stage_args, used):
+        """The stage's outputs (a tuple), and the seeds of its backward with their grads."""
+        out = stage.module(*stage_args)
+        out = tuple(out) if stage.tuple_output else (out,)
+        seeds = [item(out, i) for i in used]
+        if loss is not None and loss.kind == "stage" and loss.index == stage.index:
+            seeds.append(item(out, loss.item))
+        seeds = [t for t in seeds if isinstance(t, torch.Tensor) and t.requires_grad]
+        return out, seeds, [torch.ones_like(t) for t in seeds]
 
     with torch.enable_grad():
         for stage in partition.stages:
@@ -351,13 +382,7 @@ def _split_probe(compiled, args: Tuple, repeats: int,
             out = None
             for r in range(repeats + 1):
                 for half in ("B", "IW"):
-                    out = stage.module(*stage_args)
-                    out = tuple(out) if stage.tuple_output else (out,)
-                    seeds = [item(out, i) for i in used]
-                    if loss is not None and loss.kind == "stage" and loss.index == stage.index:
-                        seeds.append(item(out, loss.item))
-                    seeds = [t for t in seeds if isinstance(t, torch.Tensor) and t.requires_grad]
-                    grads = [torch.ones_like(t) for t in seeds]
+                    out, seeds, grads = forward(stage, stage_args, used)
                     if not seeds:
                         continue
                     settle(seeds)
@@ -373,10 +398,63 @@ def _split_probe(compiled, args: Tuple, repeats: int,
             outputs[stage.index] = out
             result.append(tuple(statistics.median(spans[k][1:] or spans[k] or [0.0])
                                 for k in ("B", "I", "W")))
+            if walks is not None:   # on a graph of its own (the halves freed theirs)
+                _, seeds, grads = forward(stage, stage_args, used)
+                walks.append((graph_walk(seeds, grads, repeats),
+                              weight_calls(seeds, grads, inputs, params)))
             if shares is not None:
                 shares.append(_twin_shares(stage, stage_args, inputs, params, used, loss,
                                            max(3, repeats // 2)))
     return result
+
+
+def graph_walk(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               repeats: int = 5) -> float:
+    """Seconds the autograd engine takes to walk the graph below ``seeds`` once.
+
+    Timed as a gradient call that needs nothing from the graph (its one target lies
+    outside it, so the engine walks every node to find out and runs none), less the same
+    call on a one-node graph. Every separate gradient call walks the whole graph below
+    its start, and a zero-bubble ``W`` makes one per parameter group
+    (:func:`ipukit.runtime.split_backward.backward_weight`, as torch's
+    ``stage_backward_weight`` does): in a stage of several blocks each block's calls also
+    walk the blocks before it (a ViT encoder layer, on 2 CPU cores: a walk of 20-27 µs,
+    and its six calls 0.15-0.6 ms each, more the more layers lie below; its layers' ``W``
+    in one stage of 4 cost 1.2×, of 8 1.45× their sum).
+    """
+    seeds, grads = list(seeds), list(grads)
+    outside = torch.zeros(1, requires_grad=True)
+    leaf = torch.zeros(1, requires_grad=True)
+    with torch.enable_grad():
+        tiny = [leaf * 1.0]
+    one = [torch.ones(1)]
+
+    def timed(roots, seeds_grads) -> float:
+        t0 = time.perf_counter()
+        torch.autograd.grad(roots, [outside], seeds_grads, retain_graph=True,
+                            allow_unused=True)
+        return time.perf_counter() - t0
+
+    if not seeds:
+        return 0.0
+    n = max(5, 2 * int(repeats))
+    full = statistics.median(timed(seeds, grads) for _ in range(n))
+    base = statistics.median(timed(tiny, one) for _ in range(n))
+    return max(0.0, full - base)
+
+
+def weight_calls(seeds, grads, inputs, params) -> int:
+    """The separate gradient calls a stage's ``W`` makes (one per parameter group, and
+    one for the parameters no input path reaches); its ``I`` is run to find them."""
+    from ._torch import grad_fn_or_grad_acc
+    from .runtime.split_backward import backward_input
+
+    if not seeds or not params:
+        return 0
+    _, pending = backward_input(list(seeds), list(grads), list(inputs), list(params))
+    grouped = {n for group in pending.groups for n in group["params"]}
+    rest = any(grad_fn_or_grad_acc(p) not in grouped for p in params)
+    return len(pending.groups) + (1 if rest else 0)
 
 
 def _split_halves(seeds, grads, inputs, params, t0: float) -> Tuple[float, float]:

@@ -21,6 +21,9 @@ call the table will predict:
   small Python-bound passes that run at once slow each other far more than the whole
   model's passes do: the convnet's last block 2.5-3× beside its twin, its convolutions
   1.0-1.02×);
+- each block's graph walk: the autograd engine's walk of its graph once, and the
+  gradient calls its ``W`` makes, each of which walks the graph below its start
+  (:func:`ipukit.balance.graph_walk`: a stage's ``W`` costs more than its blocks' sum);
 - the fixed cost of one pass: the median gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
@@ -67,8 +70,8 @@ _CACHE: Dict[str, CostTable] = {}
 # hand-off to a waiting worker while the sender computes the model's forward; the blocks
 # timed in three calls; typical values throughout: medians, contention's mean of rounds;
 # 4: each block's interpreter-lock share, ``lock_share``; 5: the step timed as the
-# runtime steps, after a forward)
-_TABLE_FORMAT = 5
+# runtime steps, after a forward; 6: each block's graph walk and W's gradient calls)
+_TABLE_FORMAT = 6
 
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
@@ -397,9 +400,10 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         found["concurrency"] = concurrency(model, args) if contention else None
 
     shares: Dict[str, List[float]] = {}
+    graph: Dict[str, list] = {}
     fwd, bwd, input_grad, weight_grad, timeline = measure_split_blocks(
         model, args, order, repeats, between=(handoff_and_step, contended),
-        lock_shares=shares if contention else None)
+        lock_shares=shares if contention else None, graph=graph)
     on_worker = _on_a_worker_thread(model, args, order, repeats)
     before, after = host_spans(timeline)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
@@ -412,6 +416,7 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         micro_batch=int(first.shape[0]) if first is not None else 0,
         input_grad=input_grad, weight_grad=weight_grad,
         concurrency=found["concurrency"], on_worker=on_worker, lock_share=shares or None,
+        graph_walk=graph.get("graph_walk"), weight_calls=graph.get("weight_calls"),
         notes={"measured": "each block alone (sharded, one worker), the median of "
                            f"{repeats} micro-batches in each of three calls seconds apart; "
                            "each block's split backward (I, W) alone; k passes at once on k "

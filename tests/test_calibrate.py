@@ -68,6 +68,50 @@ def test_later_stages_split_their_backward_by_the_measured_halves():
     assert "input-grad" not in table().stage_costs([["a"]])       # not measured: weight_share
 
 
+def test_a_stages_weight_half_also_walks_the_graphs_of_the_blocks_before_it():
+    """W makes a gradient call per parameter group, and each walks the whole graph below
+    its start: block c's 3 calls walk a and b, d's 2 calls walk a, b and c."""
+    t = split_table(graph_walk=[0.25, 0.125, 0.5, 1.0], weight_calls=[1, 4, 3, 2])
+    c = t.stage_costs([["a", "b"], ["b", "c", "d"], ["c"]])
+    assert t.walks_below(["b", "c", "d"]) == pytest.approx(3 * 0.125 + 2 * (0.125 + 0.5))
+    assert c["weight-grad"] == pytest.approx([
+        (2 + 4) + 0.5,                                    # the data's stage: a full backward
+        (3.5 + 5.0 + 6.5) + 3 * 0.125 + 2 * 0.625 + 0.5,
+        5.0 + 0.5])                                       # one block walks nothing more
+    assert c["input-grad"] == split_table().stage_costs(
+        [["a", "b"], ["b", "c", "d"], ["c"]])["input-grad"]   # I is one call: the sum
+    assert split_table().walks_below(["b", "c", "d"]) == 0.0   # not measured: the sum
+
+
+def test_a_blocks_weight_calls_are_the_calls_its_weight_half_makes(monkeypatch):
+    """weight_calls counts the gradient calls backward_weight really makes (a law of the
+    runtime, not a timing): a ViT encoder layer's six parameter groups, and a Linear's
+    one; graph_walk is a time, ≥ 0."""
+    from ipukit.balance import graph_walk, weight_calls
+    from ipukit.examples.vit import EncoderLayer
+    from ipukit.runtime import split_backward
+
+    torch.manual_seed(0)
+    for block, expected in ((EncoderLayer(16, 2, 32), 6), (torch.nn.Linear(16, 16), 1)):
+        h = torch.randn(4, 5, 16, requires_grad=True)
+        params = list(block.parameters())
+        out = block(h)
+        seeds, grads = [out], [torch.ones_like(out)]
+        assert weight_calls(seeds, grads, [h], params) == expected
+        _, pending = split_backward.backward_input(seeds, grads, [h], params)
+        calls = []
+        real = torch.autograd.grad
+        monkeypatch.setattr(torch.autograd, "grad",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
+        split_backward.backward_weight(pending, params)
+        monkeypatch.setattr(torch.autograd, "grad", real)
+        assert len(calls) == expected
+        assert graph_walk([block(h)], grads) >= 0.0
+    first = torch.nn.Linear(16, 2)            # the data's stage: no input path, one call
+    out = first(torch.randn(3, 16))
+    assert weight_calls([out], [torch.ones_like(out)], [], list(first.parameters())) == 1
+
+
 def test_two_stages_on_two_ipus_follow_the_measured_halves_exactly():
     t = split_table(per_pass=0.0, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0)
     tl = model_call(t, "zb-h1", [["a"], ["b"]], micro_batches=1, cores=8)
@@ -240,6 +284,8 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
         assert len(t.on_worker["forward"]) == len(t.on_worker["backward"]) == 2
         assert all(v > 0 for v in t.on_worker["forward"] + t.on_worker["backward"])
     assert all(0 < r <= k for k, r in enumerate(t.concurrency, start=1))
+    assert len(t.graph_walk) == len(t.weight_calls) == 2 and min(t.graph_walk) >= 0.0
+    assert t.weight_calls == [1, 1]     # each block: Linear and tanh, one parameter group
     assert sorted(t.lock_share) == ["backward", "forward", "input_grad", "weight_grad"]
     assert all(len(v) == 2 and all(0.0 <= g <= 1.0 for g in v) for v in t.lock_share.values())
     assert not [th for th in threading.enumerate() if th.name.startswith("ipukit-calibrate")]

@@ -13,7 +13,10 @@ costs a real call pays on top of the blocks' compute:
   IPU) hand over for free;
 - a split backward's halves cost their blocks' measured ``input_grad`` and
   ``weight_grad`` (the stage that takes the data has no input gradient: its ``W`` is a
-  full backward of its blocks); unmeasured, ``weight_share`` of a full backward;
+  full backward of its blocks); unmeasured, ``weight_share`` of a full backward; a ``W``
+  makes a gradient call per parameter group, and each walks the graph below its start:
+  in a stage of several blocks, each block's calls also walk the blocks before it
+  (``graph_walk``, ``weight_calls``);
 - a call whose workers run at once costs its blocks as measured on a worker thread
   (``on_worker``: a worker gets fewer intra-op threads than the calling thread, which
   times the blocks for one-worker calls);
@@ -106,6 +109,14 @@ class CostTable:
     #: :func:`ipukit.balance.lock_share`); None: not measured (passes that run at once
     #: slow each other only at the calibrated rate of k whole-model passes)
     lock_share: Optional[Dict[str, List[float]]] = None
+    #: per block, seconds the autograd engine takes to walk its graph once
+    #: (:func:`ipukit.balance.graph_walk`). A split backward's ``W`` makes a separate
+    #: gradient call per parameter group (``weight_calls``), and each walks the whole
+    #: graph below its start: in a stage of several blocks, each block's calls also walk
+    #: the blocks before it in the stage. None: a stage's ``W`` is its blocks' sum
+    graph_walk: Optional[List[float]] = None
+    #: per block, the separate gradient calls its ``W`` makes (see ``graph_walk``)
+    weight_calls: Optional[List[int]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,9 +161,23 @@ class CostTable:
                 for names in stage_blocks]
             out["weight-grad"] = [
                 (sum(self.backward[index[b]] for b in names) if names and names[0] == first
-                 else sum(self.weight_grad[index[b]] for b in names)) + self.per_pass
+                 else sum(self.weight_grad[index[b]] for b in names) + self.walks_below(names))
+                + self.per_pass
                 for names in stage_blocks]
         return out
+
+    def walks_below(self, names: Sequence[str]) -> float:
+        """What a ``W`` of the stage of blocks ``names`` pays beyond its blocks' own: each
+        block's gradient calls (``weight_calls``) walk the graphs of the blocks before it
+        in the stage (``graph_walk``). 0 where the table has no walks."""
+        if not self.graph_walk or not self.weight_calls:
+            return 0.0
+        index = {b: i for i, b in enumerate(self.blocks)}
+        total, below = 0.0, 0.0
+        for b in names:
+            total += self.weight_calls[index[b]] * below
+            below += self.graph_walk[index[b]]
+        return total
 
 
     def stage_lock_shares(self, stage_blocks: Sequence[Sequence[str]],
