@@ -65,11 +65,28 @@ def test_help_prints_every_option():
     for option in ("--smoke", "--out", "--threads", "--wait-idle", "--only"):
         assert option in proc.stdout
     for module, options in (("calibration", ("--kinds", "--merge", "--quiet")),
-                            ("cpu_pairs", ("--replicas", "--pool"))):
+                            ("cpu_pairs", ("--replicas", "--pool")),
+                            ("split_stage", ("--rounds", "--threads"))):
         proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert all(option in proc.stdout for option in options), module
+
+
+def test_split_stage_measures_and_models_each_stage_depth(tmp_path):
+    """The zero-bubble stage's W (tiny sizes): every depth measured and modeled; the model
+    adds the walks of the layers below to their own W, never less than their sum."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.split_stage", "--smoke",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "split_stage.json").read_text())
+    assert [r["layers"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        assert r["measured_ms"] > 0 and r["modeled_ms"] >= r["layers_sum_ms"] > 0
+    assert data["rows"][0]["modeled_over_sum"] == 1.0      # one layer: nothing below it
+    assert data["weight_calls"] == [6, 6]
+    assert "| layers in the stage |" in (tmp_path / "split_stage.md").read_text()
 
 
 def test_median_ratio_is_the_ratio_of_medians_with_a_bootstrap_noise():
