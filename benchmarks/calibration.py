@@ -516,7 +516,8 @@ def report(result: Dict) -> str:
         f"step {v['step'] * 1e3:.2f} ms, k passes at once run at "
         f"{', '.join(f'{c:.2f}' for c in v.get('concurrency') or [])} (k = 1, 2, …), "
         f"split backward I + W ÷ B per block "
-        f"{', '.join(_split_ratio(v))}, calibration {_seconds(v['calibration_seconds'])}"
+        f"{', '.join(_split_ratio(v))}{_walks(v)}, "
+        f"calibration {_seconds(v['calibration_seconds'])}"
         for k, v in result["tables"].items())]
     return "\n".join(lines) + "\n"
 
@@ -588,6 +589,14 @@ def _split_ratio(table: Dict) -> List[str]:
         return ["not measured"]
     return [f"{(i + w) / b:.2f}" if b > 0 else "—" for i, w, b in
             zip(table["input_grad"], table["weight_grad"], table["backward"])]
+
+
+def _walks(table: Dict) -> str:
+    """Each block's graph walk and its W's gradient calls (tables since 2026-11-26 22:00)."""
+    if not table.get("graph_walk"):
+        return ""
+    return (", graph walk per block " + ", ".join(f"{w * 1e6:.0f}" for w in table["graph_walk"])
+            + " µs, W's gradient calls " + ", ".join(str(c) for c in table["weight_calls"]))
 
 
 def _cause(row: Dict, cores: int, device: str = "CPU", quiet: bool = False) -> str:
