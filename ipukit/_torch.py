@@ -10,8 +10,9 @@ checks each against the installed torch and names the versions it was run agains
 - ``torch_action``: ``torch.distributed.pipelining.schedules._Action`` (torch's action IR).
 - ``grad_fn_or_grad_acc``: ``pipelining._backward._get_grad_fn_or_grad_acc`` (the
   autograd node of a tensor, or its gradient accumulator; the split backward's halves).
-- ``param_groups`` and ``reverse_graph``: ``pipelining._backward``'s helpers (public
-  names in a private module).
+- ``param_groups``: ``pipelining._backward.get_param_groups`` (a public name in a private
+  module; the reverse graph it takes is ipukit's own walk, which also notes each node's
+  gradient inputs: ``ipukit.runtime.split_backward``).
 - ``HookedStage``: ``PipelineStage`` whose first-step shape inference
   (``_prepare_forward_infra``) runs inside :meth:`HookedStage.around_shape_inference`.
 - ``mapped_runtime_class``: ``_PipelineScheduleRuntime`` told the stage → rank mapping
@@ -38,7 +39,6 @@ PRIVATE_NAMES = (
     ("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime"),
     ("torch.distributed.pipelining._backward", "_get_grad_fn_or_grad_acc"),
     ("torch.distributed.pipelining._backward", "get_param_groups"),
-    ("torch.distributed.pipelining._backward", "construct_reverse_graph"),
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.nn.modules.module", "_global_forward_pre_hooks"),
     ("torch.nn.modules.module", "_global_forward_hooks"),
@@ -96,13 +96,6 @@ def param_groups(inputs, params, reverse_edges):
     from torch.distributed.pipelining._backward import get_param_groups
 
     return get_param_groups(inputs, params, reverse_edges)
-
-
-def reverse_graph(roots):
-    """torch's reverse autograd graph from ``roots`` (``_backward.construct_reverse_graph``)."""
-    from torch.distributed.pipelining._backward import construct_reverse_graph
-
-    return construct_reverse_graph(roots)
 
 
 def hooked_stage_class():

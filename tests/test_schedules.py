@@ -312,6 +312,92 @@ def test_split_backward_halves_equal_one_backward_on_branching_graphs():
                 assert torch.allclose(want, have, atol=1e-6)
 
 
+def _split_matches_one_backward(m, x):
+    from ipukit.runtime.split_backward import backward_input, backward_weight
+
+    params = list(m.parameters())
+    out = m(x)
+    g = torch.randn_like(out)
+    inputs = [x] if x.requires_grad else []
+    ref = torch.autograd.grad([out], inputs + params, [g], allow_unused=True,
+                              retain_graph=True)
+    dx, pending = backward_input([out], [g], inputs, params)
+    shape = [[len(grads_in) for grads_in in group["grads"]] for group in pending.groups]
+    got = list(dx) + backward_weight(pending, params)
+    for want, have in zip(ref, got):
+        assert (want is None) == (have is None)
+        if want is not None:
+            assert torch.allclose(want, have, atol=1e-6)
+    return shape    # per group, each intermediate's gradient inputs kept for W
+
+
+def test_split_backward_handles_multi_output_nodes_and_shared_weights():
+    """An intermediate with several gradient inputs (an op of two outputs, both used,
+    whose inputs are the data's path and a weight; a layer norm's node, whose mean and
+    deviation outputs are unused), and weights used twice (groups of two intermediates,
+    one reaching the other): both halves still equal one backward."""
+    torch.manual_seed(0)
+
+    class TwoOut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w, x + w
+
+        @staticmethod
+        def backward(ctx, g_prod, g_sum):
+            x, w = ctx.saved_tensors
+            return g_prod * w + g_sum, (g_prod * x + g_sum).sum(0)
+
+    class Multi(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4))
+            self.norm = torch.nn.LayerNorm(4)
+            self.tied = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            prod, total = TwoOut.apply(x, self.w)
+            h = self.norm(self.norm(prod + total.relu()))   # its group: two 3-output nodes
+            return self.tied(torch.relu(self.tied(h)))
+
+    shape = _split_matches_one_backward(Multi(), torch.randn(3, 4, requires_grad=True))
+    assert max(n for group in shape for n in group) == 2      # TwoOut's two outputs
+    assert max(len(group) for group in shape) >= 2            # the tied weight's group
+
+
+def test_the_input_half_runs_no_python_inside_the_autograd_engine():
+    """``I`` captures the intermediates' gradients in the engine, not with Python hooks:
+    on threads a hook waits for the interpreter lock other workers hold."""
+    import sys
+
+    from ipukit.runtime.split_backward import backward_input
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU(),
+                            torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = m(x)
+    inside, called = [], []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") == "run_backward":
+            inside.append(True)
+        elif event in ("c_return", "c_exception") and \
+                getattr(arg, "__name__", "") == "run_backward":
+            inside.pop()
+        elif event == "call" and inside:
+            called.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        _, pending = backward_input([out], [torch.ones_like(out)], [x], list(m.parameters()))
+    finally:
+        sys.setprofile(None)
+    assert len(pending.groups) >= 2            # there were intermediates to capture
+    assert called == []
+
+
 def test_options_and_compile_errors_name_the_fix():
     with pytest.raises(ipukit.errors.OptionsError, match="DualPipeV"):
         ipukit.Options().pipelineSchedule("zero-bubble-please")
