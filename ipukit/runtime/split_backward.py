@@ -37,10 +37,12 @@ from .._torch import grad_fn_or_grad_acc, param_groups
 class PendingWeights:
     """What ``W`` needs from ``I``: the retained graph's seeds and the captured gradients."""
 
-    __slots__ = ("seeds", "grads", "groups")
+    __slots__ = ("seeds", "grads", "groups", "param_of")
 
-    def __init__(self, seeds, grads, groups) -> None:
+    def __init__(self, seeds, grads, groups, param_of=None) -> None:
         self.seeds, self.grads, self.groups = seeds, grads, groups
+        #: each parameter's gradient accumulator (as ``I`` found it) → its position
+        self.param_of: Dict[Any, int] = param_of or {}
 
 
 def backward_input(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -48,10 +50,12 @@ def backward_input(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     """Gradients for ``inputs`` (None where unused), and the state ``W`` resumes from."""
     groups: List[Dict[str, Any]] = []
     used: Dict[Any, set] = {}
+    param_of: Dict[Any, int] = {}
     if inputs and seeds and params:
         out_nodes = [n for n in map(grad_fn_or_grad_acc, seeds) if n is not None]
         in_nodes = [n for n in map(grad_fn_or_grad_acc, inputs) if n is not None]
         p_nodes = [grad_fn_or_grad_acc(p) for p in params]
+        param_of = {node: i for i, node in enumerate(p_nodes)}
         reverse, used = _reverse_graph(out_nodes, seeds)
         groups = param_groups(in_nodes, p_nodes, reverse)
     # each intermediate's gradient inputs that can receive one (the outputs of its forward
@@ -76,7 +80,7 @@ def backward_input(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             for k in slots:
                 grads_in[k] = next(captured)
             group["grads"].append(tuple(grads_in))
-    return dinputs, PendingWeights(list(seeds), list(grads), groups)
+    return dinputs, PendingWeights(list(seeds), list(grads), groups, param_of)
 
 
 def _reverse_graph(roots, seeds):
@@ -109,7 +113,9 @@ def backward_weight(pending: PendingWeights,
                     params: Sequence[torch.nn.Parameter]) -> List[Optional[torch.Tensor]]:
     """Gradients for ``params`` (None where unused), from what ``I`` kept; frees the graph."""
     out: Dict[int, Optional[torch.Tensor]] = {}
-    node_of = {grad_fn_or_grad_acc(p): i for i, p in enumerate(params)}
+    # the accumulators I found (the retained graph holds them, so they are still these)
+    node_of = pending.param_of or {grad_fn_or_grad_acc(p): i for i, p in enumerate(params)
+                                   if pending.groups}
     for group in pending.groups:
         edges, seeds = [], []
         for node, captured in zip(group["intermediates"], group["grads"]):
