@@ -392,11 +392,12 @@ def test_the_input_half_runs_no_python_inside_the_autograd_engine():
         elif event == "call" and inside:
             called.append(frame.f_code.co_name)
 
+    before = sys.getprofile()
     sys.setprofile(profile)
     try:
         _, pending = backward_input([out], [torch.ones_like(out)], [x], list(m.parameters()))
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
     assert len(pending.groups) >= 2            # there were intermediates to capture
     assert called == []
 
