@@ -83,6 +83,26 @@ def test_a_stages_weight_half_also_walks_the_graphs_of_the_blocks_before_it():
     assert split_table().walks_below(["b", "c", "d"]) == 0.0   # not measured: the sum
 
 
+def test_a_weight_halfs_calls_hand_the_lock_over_to_the_other_workers():
+    """Each gradient call of a stage's W beyond its first costs the other workers running
+    beside it one hand-off: the data's stage's W is one call and costs nothing; a model
+    without calls, and a schedule without W, are unchanged."""
+    t = split_table(weight_calls=[1, 4, 3, 2], cores=2)
+    assert t.stage_weight_calls([["a", "b"], ["c", "d"]]) == [1, 5]
+    assert t.stage_weight_calls([["a"], ["b", "c", "d"]]) == [1, 9]
+    assert split_table().stage_weight_calls([["a"], ["b"]]) is None
+    stages = [["a", "b"], ["c", "d"]]
+
+    def wall(kind, **kw):
+        return model_call(split_table(cores=2, **kw), kind, stages, micro_batches=4).wall_time
+
+    assert wall("1f1b", weight_calls=[1, 4, 3, 2]) == pytest.approx(wall("1f1b"))
+    assert wall("zb-h1", weight_calls=[1, 4, 3, 2]) > wall("zb-h1")
+    assert wall("zb-h1", weight_calls=[1, 1, 1, 0]) == pytest.approx(wall("zb-h1"))
+    assert wall("zb-h1", weight_calls=[1, 4, 3, 2], handoff=0.0) == pytest.approx(
+        wall("zb-h1", handoff=0.0))
+
+
 def test_a_blocks_weight_calls_are_the_calls_its_weight_half_makes(monkeypatch):
     """weight_calls counts the gradient calls backward_weight really makes (a law of the
     runtime, not a timing): a ViT encoder layer's six parameter groups, and a Linear's

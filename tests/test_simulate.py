@@ -368,6 +368,24 @@ def test_model_like_replays_a_one_worker_call_as_the_sum_of_its_own_passes():
                         abs_tol=1e-12)
 
 
+def test_a_pass_beside_one_that_hands_the_lock_over_loses_its_handovers():
+    """``handovers[kind][stage]`` = η: a pass of another worker running beside it advances
+    1 + η times slower; alone, nothing changes."""
+    sch = build("gpipe", 1, 1, 1)
+    costs = {"F": [1.0], "B": [0.0]}
+
+    def end(replicas, **kw):
+        times = play_shared(sch.lanes, 1, costs, parallelism=[1.0, 2.0], replicas=replicas,
+                            **kw)
+        return max(e for rep in times for lane in rep for _, e in lane)
+
+    assert end(2, handovers={"F": [0.5]}) == pytest.approx(1.5)    # each beside the other
+    assert end(1, handovers={"F": [0.5]}) == pytest.approx(1.0)    # alone: no neighbour
+    assert end(2, handovers={"B": [0.5]}) == pytest.approx(1.0)    # only the kind named
+    # with the lock shares: both slowdowns, one after the other
+    assert end(2, handovers={"F": [0.5]}, lock={"F": [0.5]}) == pytest.approx(1.25 * 1.5)
+
+
 def test_passes_holding_the_interpreter_lock_slow_each_other_as_measured_beside_twins():
     # two replicas of one stage: two forwards of cost 1 run at once on two cores
     sch = build("gpipe", 1, 1, 1)

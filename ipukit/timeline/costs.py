@@ -31,6 +31,12 @@ costs a real call pays on top of the blocks' compute:
 - passes that hold the interpreter lock (``lock_share``, measured per block beside a
   twin) also wait for each other's: a pass of share g beside passes of shares g_j runs
   1 + g × Σ g_j slower (the whole-model rate above corrected for its own share);
+- a ``W`` hands the interpreter lock over between its gradient calls (one per parameter
+  group, ``weight_calls``): each call beyond the first costs every other worker then
+  running a pass one ``handoff`` (a wake-up), spread over the ``W``'s span
+  (:meth:`CostTable.stage_weight_calls`; measured in pairs on 2 CPU cores: the ViT's
+  first stage beside a second stage running F, I and W took 1.14-1.54× as long as beside
+  the same stage running F and B, waiting for the lock 38-42 times a step against 15);
 - each optimiser step costs ``step`` on the host, once per iteration, after the flush;
 - a call pays ``host_before`` (splitting the inputs) and ``host_after`` (gathering the
   outputs) around its passes.
@@ -180,6 +186,18 @@ class CostTable:
         return total
 
 
+    def stage_weight_calls(self, stage_blocks: Sequence[Sequence[str]]) -> Optional[List[int]]:
+        """Per stage, the gradient calls its ``W`` makes: its blocks' ``weight_calls``
+        summed; 1 for the stage that takes the data (its ``W`` is one full backward). None
+        where the table has no calls."""
+        if not self.weight_calls:
+            return None
+        index = {b: i for i, b in enumerate(self.blocks)}
+        first = self.blocks[0] if self.blocks else None
+        return [1 if names and names[0] == first
+                else sum(self.weight_calls[index[b]] for b in names)
+                for names in stage_blocks]
+
     def stage_lock_shares(self, stage_blocks: Sequence[Sequence[str]],
                           on_worker: bool = False) -> Optional[Dict[str, List[float]]]:
         """Per stage and pass kind (the keys of :meth:`stage_costs`): the share of the
@@ -291,14 +309,23 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         # the executor pins workers that outnumber the cores: each core is shared by its own
         pinned = (pinned_slots(workers, table.cores) if table.device.startswith("cpu")
                   else None)
+        # a W's gradient calls hand the interpreter lock over to a waiting neighbour: each
+        # call beyond the first costs the other running workers a hand-off (a wake-up)
+        calls = table.stage_weight_calls(stage_blocks)
+        handovers = None
+        if calls and training and any(WEIGHT_GRAD == a[0] for lane in schedule.lanes
+                                      for a in lane):
+            handovers = {WEIGHT_GRAD: [(n - 1) * table.handoff / w if w > 0 else 0.0
+                                       for n, w in zip(calls, w_cost)]}
         times = play_shared(schedule.lanes, N, costs, transfers, start,
                             parallelism=table.concurrency, replicas=replicas,
-                            lock=lock, lock_whole=table.whole_lock_share(), pinned=pinned)
+                            lock=lock, lock_whole=table.whole_lock_share(), pinned=pinned,
+                            handovers=handovers)
         if pinned:   # the other end of what the OS does with a core's workers: in turn
             in_turn = play_shared(schedule.lanes, N, costs, transfers, start,
                                   parallelism=table.concurrency, replicas=replicas,
                                   lock=lock, lock_whole=table.whole_lock_share(),
-                                  pinned=pinned, in_turn=True)
+                                  pinned=pinned, in_turn=True, handovers=handovers)
         rates = ", ".join(f"{r:.2f}" for r in table.concurrency[:workers])
         said = (f"{workers} workers on {table.cores} cores: k passes at once run at the "
                 f"calibrated rate of k concurrent passes ({rates} for k = 1, 2, …), an average")

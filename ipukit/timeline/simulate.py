@@ -306,7 +306,8 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
                 parallelism: Optional[Sequence[float]] = None, replicas: int = 1,
                 exposed: bool = False, hidden: Optional[set] = None,
                 lock: Optional[Dict[str, Sequence[float]]] = None, lock_whole: float = 0.0,
-                pinned: Optional[Sequence[int]] = None, in_turn: bool = False
+                pinned: Optional[Sequence[int]] = None, in_turn: bool = False,
+                handovers: Optional[Dict[str, Sequence[float]]] = None
                 ) -> List[List[List[Tuple[float, float]]]]:
     """(start, end) of every action, ``times[replica][lane]``, with cores shared fairly.
 
@@ -334,6 +335,13 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     whose rate ``parallelism`` measured (so k whole-model passes still run at that rate,
     and small Python-bound passes that run together, such as a V schedule's last two
     stages, slow each other as they do when measured side by side).
+
+    ``handovers[kind][stage]``: the seconds a pass of another worker loses, per second this
+    pass runs beside it, to hand-overs of the interpreter lock (a split backward's ``W``
+    makes a gradient call per parameter group and takes the lock back between them, each
+    time making a waiting neighbour wait for a wake-up: see
+    :meth:`~ipukit.timeline.costs.CostTable.stage_weight_calls`). A running pass advances
+    ``1 + Σ η_j`` times slower, over the passes j of other workers running with it.
 
     ``pinned[w]``: the core worker ``w`` (replica-major, as the executor numbers them) is
     pinned to (:func:`pinned_slots`). Then a core is shared only by the passes pinned to
@@ -385,6 +393,7 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
     fixed: Dict[int, Tuple[float, float]] = {}   # worker -> (start, end)  (steps; own cores)
     shared = parallelism is not None
     share = {k: (lock or {}).get(k) or [0.0] * N for k in cost}
+    handover = {k: (handovers or {}).get(k) or [0.0] * N for k in cost}
 
     slots = max(pinned) + 1 if pinned else 0
     in_turn = bool(in_turn and pinned)
@@ -408,12 +417,19 @@ def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Seq
                         now_running[w].append(now_at[0])    # the pass gets its core
         else:
             base = dict.fromkeys(now_running, rate_of(parallelism, k))
-        if not lock or k < 2:
+        if k < 2:
             return base
-        lift = 1 + (k - 1) * lock_whole ** 2
-        total = sum(v[2] for w, v in now_running.items() if base[w] > 0)
-        return {w: min(1.0, base[w] * lift) / (1 + v[2] * (total - v[2]))
-                for w, v in now_running.items()}
+        if lock:
+            lift = 1 + (k - 1) * lock_whole ** 2
+            total = sum(v[2] for w, v in now_running.items() if base[w] > 0)
+            base = {w: min(1.0, base[w] * lift) / (1 + v[2] * (total - v[2]))
+                    for w, v in now_running.items()}
+        if handovers:
+            eta = {w: handover[lanes[workers[w][1]][pos[w]][0]][lanes[workers[w][1]][pos[w]][1]]
+                   for w in now_running if base[w] > 0}
+            total = sum(eta.values())
+            base = {w: r / (1 + total - eta.get(w, 0.0)) for w, r in base.items()}
+        return base
 
     def dependency(w: int) -> Optional[float]:
         r, li = workers[w]
