@@ -4,7 +4,8 @@ Each part of a call's cost is measured **in isolation**, never by timing the pip
 call the table will predict:
 
 - each block's forward and backward, one micro-batch, alone (every block its own
-  stage, run one at a time on one worker: :func:`ipukit.balance.measure_blocks`);
+  stage, run one at a time on one worker, each backward a gradient call of its own as a
+  pipelined pass's is: :func:`ipukit.balance.measure_blocks`);
 - each block's split backward, its input-gradient half ``I`` and its weight-gradient
   half ``W`` each timed on its own with the runtime's functions, on that run's compiled
   stages (:func:`ipukit.balance.measure_split_blocks`; a split backward costs more
@@ -70,8 +71,9 @@ _CACHE: Dict[str, CostTable] = {}
 # hand-off to a waiting worker while the sender computes the model's forward; the blocks
 # timed in three calls; typical values throughout: medians, contention's mean of rounds;
 # 4: each block's interpreter-lock share, ``lock_share``; 5: the step timed as the
-# runtime steps, after a forward; 6: each block's graph walk and W's gradient calls)
-_TABLE_FORMAT = 6
+# runtime steps, after a forward; 6: each block's graph walk and W's gradient calls;
+# 7: each block's backward its own gradient call, not a share of one from the loss)
+_TABLE_FORMAT = 7
 
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,

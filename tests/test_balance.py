@@ -98,3 +98,34 @@ def test_balance_errors():
     net = SleepStack(ms=(0.0, 0.0))
     with pytest.raises(ValueError, match="every IPU needs"):
         balance_by_time(net, (torch.randn(2, 8), torch.randn(2, 8)), 3)
+
+
+def test_blocks_are_timed_with_a_backward_of_their_own_as_a_pipelined_pass_runs_them(monkeypatch):
+    """The calibration's one-worker run must not run one backward from the loss for every
+    block (a sharded call's fast path): that charged the engine's walk of the whole graph
+    to the last block's backward. Each block's backward is its own gradient call."""
+    from helpers import StackNet
+    from ipukit.balance import measure_blocks
+
+    calls = {"grad": 0, "backward": 0}
+    grad, backward = torch.autograd.grad, torch.autograd.backward
+
+    def counting_grad(*a, **k):
+        calls["grad"] += 1
+        return grad(*a, **k)
+
+    def counting_backward(*a, **k):
+        calls["backward"] += 1
+        return backward(*a, **k)
+
+    torch.manual_seed(0)
+    net = StackNet(num_blocks=3)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    monkeypatch.setattr(torch.autograd, "grad", counting_grad)
+    monkeypatch.setattr(torch.autograd, "backward", counting_backward)
+    fwd, bwd, timeline = measure_blocks(net, (x, y), ["b0", "b1", "b2"], repeats=2)
+    assert calls["backward"] == 0
+    # every pass of the warm-up and the timed call: 3 blocks × 2 micro-batches each
+    assert calls["grad"] >= 2 * 3 * 2 and calls["grad"] % 3 == 0
+    backwards = [e for e in timeline.events if e.kind == "backward"]
+    assert len(backwards) == 3 * 2 and all(e.duration > 0 for e in backwards)

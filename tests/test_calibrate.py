@@ -27,6 +27,20 @@ def test_one_stage_one_micro_batch_is_the_tables_sum():
     assert tl.modeled and tl.meta["calibrated"]
 
 
+def test_a_modeled_pass_leaves_its_fixed_cost_idle_before_it_as_a_measured_one_does():
+    """per_pass is measured as the gap between passes: the model charges it to the call's
+    time, and draws it as idle before the pass, so busy shares count what measured ones do."""
+    t = table()
+    tl = model_call(t, "1f1b", [["a", "b"]], micro_batches=2)
+    passes = sorted((e for e in tl.device_events() if e.kind in ("forward", "backward")),
+                    key=lambda e: e.start)
+    assert [e.duration for e in passes] == pytest.approx([3, 6, 3, 6])
+    assert all(b.start - a.end == pytest.approx(0.5) for a, b in zip(passes, passes[1:]))
+    assert passes[0].start == pytest.approx(0.125 + 0.5)
+    busy = tl.utilisation()["per_ipu"][0]
+    assert busy * tl.wall_time == pytest.approx(2 * (3 + 6))       # the step is the host's
+
+
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_each_extra_micro_batch_on_one_stage_adds_one_forward_and_one_backward(m):
     t = table()

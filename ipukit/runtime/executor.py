@@ -118,7 +118,8 @@ class CallRunner:
                                     self.exchange, self.results, self.accumulators,
                                     self.loss_scaling, float32_accumulation, anchors, keep_rows,
                                     fused=(schedule.sequential or self.workers == 1)
-                                    and not schedule.split_backward)
+                                    and not schedule.split_backward
+                                    and not fused.by_action())
         self.events: List[List[Event]] = []
         self.steps_done = 0
         self.stall_timeout = stall_timeout  # seconds without a completed action (None: off)

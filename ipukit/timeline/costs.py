@@ -7,7 +7,8 @@ costs a real call pays on top of the blocks' compute:
 
 - every pass (forward, backward, or a split backward's half) costs its blocks' compute
   plus ``per_pass``, the fixed cost of running one action (ipukit's bookkeeping and the
-  stage module's call);
+  stage module's call), measured as the idle gap between passes and drawn as one: a
+  modeled pass's span starts after its share of ``per_pass``, as a measured span does;
 - an activation or gradient that crosses to another worker costs ``handoff`` (a
   worker waking another); stages one worker runs (a sharded call's, several on one
   IPU) hand over for free;
@@ -349,13 +350,23 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         notes.append(f"split backward modeled as {1 - table.weight_share:.0%} / "
                      f"{table.weight_share:.0%} of a full backward (I and W not measured)")
 
+    def span_start(k: str, s: int, a: float, b: float) -> float:
+        # a pass's fixed cost is measured as the idle gap before it (``per_pass``: the gap
+        # between consecutive passes of a one-worker run), so its modeled span leaves that
+        # share out, as a measured span does: busy shares count the same thing in both
+        cost = costs[k][s]
+        if k == STEP or cost <= 0 or table.per_pass <= 0:
+            return a
+        return a + (b - a) * min(1.0, table.per_pass / cost)
+
     def events_of(times) -> List[Event]:
         events: List[Event] = []
         if table.host_before > 0:
             events.append(Event(-1, "host", -1, 0.0, table.host_before, -1, 0, 0, 0))
         for replica in range(replicas):
             for lane, lane_times in zip(schedule.lanes, times[replica]):
-                events += [Event(s, KIND_NAMES[k], m, a, b, ipus[s], replica, it, 0)
+                events += [Event(s, KIND_NAMES[k], m, span_start(k, s, a, b), b, ipus[s],
+                                 replica, it, 0)
                            for (k, s, m, it), (a, b) in zip(lane, lane_times)]
         end = max((e.end for e in events), default=start)
         if table.host_after > 0:
