@@ -383,7 +383,7 @@ def pass_stretch(timelines, table, kind: str, stages, ipus) -> Dict[str, float]:
     the pass costs alone (its blocks' costs plus the per-pass cost, on a worker thread for
     a call whose workers run at once), keyed "stage kind"."""
     concurrent = kind != "sharded" and len(set(ipus)) > 1
-    costs = table.stage_costs(stages, on_worker=concurrent)
+    costs = table.stage_costs(stages, on_worker=concurrent, chained=kind == "sharded")
     spans: Dict[tuple, List[float]] = {}
     for tl in timelines:
         for e in tl.device_events():
@@ -596,7 +596,9 @@ def _walks(table: Dict) -> str:
     if not table.get("graph_walk"):
         return ""
     return (", graph walk per block " + ", ".join(f"{w * 1e6:.0f}" for w in table["graph_walk"])
-            + " µs, W's gradient calls " + ", ".join(str(c) for c in table["weight_calls"]))
+            + " µs, W's gradient calls " + ", ".join(str(c) for c in table["weight_calls"])
+            + (f", a gradient call's fixed cost {table['grad_call'] * 1e6:.0f} µs"
+               if table.get("grad_call") else ""))
 
 
 def _cause(row: Dict, cores: int, device: str = "CPU", quiet: bool = False) -> str:

@@ -408,14 +408,37 @@ def _split_probe(compiled, args: Tuple, repeats: int,
     return result
 
 
+def _grad_timer(batch: int = 5):
+    """A timer of ``batch`` gradient calls from ``roots`` to a target outside every graph
+    (so the engine walks the graph below ``roots`` to find out, and runs none of it):
+    seconds per call."""
+    outside = torch.zeros(1, requires_grad=True)
+
+    def timed(roots, seeds_grads) -> float:
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            torch.autograd.grad(roots, [outside], seeds_grads, retain_graph=True,
+                                allow_unused=True)
+        return (time.perf_counter() - t0) / batch
+    return timed
+
+
+def _one_node_graph(device=None):
+    """A graph of one node, and the gradient to seed it with."""
+    leaf = torch.zeros(1, requires_grad=True, device=device)
+    with torch.enable_grad():
+        tiny = [leaf * 1.0]
+    return tiny, [torch.ones(1, device=device)]
+
+
 def graph_walk(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                repeats: int = 5) -> float:
     """Seconds the autograd engine takes to walk the graph below ``seeds`` once.
 
     Timed as a gradient call that needs nothing from the graph (its one target lies
     outside it, so the engine walks every node to find out and runs none), less the same
-    call on a one-node graph. Every separate gradient call walks the whole graph below
-    its start, and a zero-bubble ``W`` makes one per parameter group
+    call on a one-node graph (:func:`gradient_call`). Every separate gradient call walks
+    the whole graph below its start, and a zero-bubble ``W`` makes one per parameter group
     (:func:`ipukit.runtime.split_backward.backward_weight`, as torch's
     ``stage_backward_weight`` does): in a stage of several blocks each block's calls also
     walk the blocks before it (a ViT encoder layer, on 2 CPU cores: a walk of 20-27 µs,
@@ -425,20 +448,8 @@ def graph_walk(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     seeds, grads = list(seeds), list(grads)
     if not seeds:
         return 0.0
-    outside = torch.zeros(1, requires_grad=True)
-    leaf = torch.zeros(1, requires_grad=True)
-    with torch.enable_grad():
-        tiny = [leaf * 1.0]
-    one = [torch.ones(1)]
-    batch = 5                       # calls per sample: a walk is tens of µs
-
-    def timed(roots, seeds_grads) -> float:
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            torch.autograd.grad(roots, [outside], seeds_grads, retain_graph=True,
-                                allow_unused=True)
-        return (time.perf_counter() - t0) / batch
-
+    tiny, one = _one_node_graph()
+    timed = _grad_timer()
     timed(seeds, grads), timed(tiny, one)       # warm-up: the first walk is slower
     full: List[float] = []
     base: List[float] = []
@@ -446,6 +457,21 @@ def graph_walk(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         full.append(timed(seeds, grads))
         base.append(timed(tiny, one))
     return max(0.0, statistics.median(full) - statistics.median(base))
+
+
+def gradient_call(repeats: int = 5, device=None) -> float:
+    """Seconds of a gradient call's fixed cost: one call on a one-node graph (the call
+    from Python, the engine's start and finish), on ``device``.
+
+    Each block's backward is timed as a gradient call of its own; a pipelined stage's
+    backward is one call over all its blocks, and a sharded call's one call over the
+    whole model per micro-batch, so they pay this fewer times than their blocks' sum
+    (:attr:`ipukit.timeline.costs.CostTable.grad_call`; on 2 CPU cores 15-20 µs).
+    """
+    tiny, one = _one_node_graph(device)
+    timed = _grad_timer()
+    timed(tiny, one)                            # warm-up
+    return statistics.median(timed(tiny, one) for _ in range(max(5, 2 * int(repeats))))
 
 
 def weight_calls(seeds, grads, inputs, params) -> int:

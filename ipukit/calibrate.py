@@ -25,6 +25,8 @@ call the table will predict:
 - each block's graph walk: the autograd engine's walk of its graph once, and the
   gradient calls its ``W`` makes, each of which walks the graph below its start
   (:func:`ipukit.balance.graph_walk`: a stage's ``W`` costs more than its blocks' sum);
+- a gradient call's fixed cost, on a one-node graph (:func:`ipukit.balance.gradient_call`:
+  a stage's backward is one call over its blocks, each timed as a call of its own);
 - the fixed cost of one pass: the median gap between consecutive passes of that same
   run (ipukit's bookkeeping around each stage's module call);
 - the host's set-up and gathering around a call, from that run;
@@ -59,7 +61,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .balance import as_args, discover_blocks, measure_split_blocks
+from .balance import as_args, discover_blocks, gradient_call, measure_split_blocks
 from .runtime.gpu_clock import on_device_of, settle
 from .runtime.workers import Exchange
 from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re-exported)
@@ -72,8 +74,9 @@ _CACHE: Dict[str, CostTable] = {}
 # timed in three calls; typical values throughout: medians, contention's mean of rounds;
 # 4: each block's interpreter-lock share, ``lock_share``; 5: the step timed as the
 # runtime steps, after a forward; 6: each block's graph walk and W's gradient calls;
-# 7: each block's backward its own gradient call, not a share of one from the loss)
-_TABLE_FORMAT = 7
+# 7: each block's backward its own gradient call, not a share of one from the loss;
+# 8: a gradient call's fixed cost, ``grad_call``)
+_TABLE_FORMAT = 8
 
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
@@ -419,6 +422,7 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         input_grad=input_grad, weight_grad=weight_grad,
         concurrency=found["concurrency"], on_worker=on_worker, lock_share=shares or None,
         graph_walk=graph.get("graph_walk"), weight_calls=graph.get("weight_calls"),
+        grad_call=gradient_call(repeats, device=device),
         notes={"measured": "each block alone (sharded, one worker), the median of "
                            f"{repeats} micro-batches in each of three calls seconds apart; "
                            "each block's split backward (I, W) alone; k passes at once on k "

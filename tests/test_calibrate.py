@@ -20,33 +20,60 @@ def table(**kw):
 
 
 def test_one_stage_one_micro_batch_is_the_tables_sum():
+    """On the action path (here: two replicas) each pass pays per_pass; one replica's
+    one-stage call runs as a plain loop (the executor's chain), which pays none."""
     t = table()
-    tl = model_call(t, "1f1b", [["a", "b"]], micro_batches=1)
+    tl = model_call(t, "1f1b", [["a", "b"]], micro_batches=1, replicas=2)
     compute = (1 + 2) + 0.5 + (2 + 4) + 0.5
     assert tl.wall_time == pytest.approx(0.125 + compute + 0.75 + 0.0625)
     assert tl.modeled and tl.meta["calibrated"]
+    chained = model_call(t, "1f1b", [["a", "b"]], micro_batches=1)
+    assert chained.wall_time == pytest.approx(0.125 + (1 + 2) + (2 + 4) + 0.75 + 0.0625)
 
 
 def test_a_modeled_pass_leaves_its_fixed_cost_idle_before_it_as_a_measured_one_does():
     """per_pass is measured as the gap between passes: the model charges it to the call's
     time, and draws it as idle before the pass, so busy shares count what measured ones do."""
     t = table()
-    tl = model_call(t, "1f1b", [["a", "b"]], micro_batches=2)
+    tl = model_call(t, "gpipe", [["a", "b"]], micro_batches=2)
     passes = sorted((e for e in tl.device_events() if e.kind in ("forward", "backward")),
                     key=lambda e: e.start)
-    assert [e.duration for e in passes] == pytest.approx([3, 6, 3, 6])
+    assert [e.duration for e in passes] == pytest.approx([3, 3, 6, 6])
     assert all(b.start - a.end == pytest.approx(0.5) for a, b in zip(passes, passes[1:]))
     assert passes[0].start == pytest.approx(0.125 + 0.5)
     busy = tl.utilisation()["per_ipu"][0]
     assert busy * tl.wall_time == pytest.approx(2 * (3 + 6))       # the step is the host's
 
 
-@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("m", [2, 5])
 def test_each_extra_micro_batch_on_one_stage_adds_one_forward_and_one_backward(m):
     t = table()
     one = model_call(t, "gpipe", [["a", "b", "c", "d"]], micro_batches=m).wall_time
     more = model_call(t, "gpipe", [["a", "b", "c", "d"]], micro_batches=m + 1).wall_time
     assert more - one == pytest.approx((10 + 0.5) + (20 + 0.5))
+    # a chained call (1F1B on one stage runs each micro-batch whole: a plain loop)
+    one = model_call(t, "1f1b", [["a", "b", "c", "d"]], micro_batches=m).wall_time
+    more = model_call(t, "1f1b", [["a", "b", "c", "d"]], micro_batches=m + 1).wall_time
+    assert more - one == pytest.approx(10 + 20)
+
+
+def test_a_stage_pays_one_gradient_calls_fixed_cost_a_chain_one_per_micro_batch():
+    """Each block's backward is timed as a gradient call of its own; a stage's backward
+    is one call over its blocks, and a sharded call's chain one call per micro-batch over
+    every stage (its last stage's holds the call's fixed cost)."""
+    t = table(grad_call=0.25)
+    c = t.stage_costs([["a", "b", "c"], ["d"]])
+    assert c["backward"] == pytest.approx([(2 + 4 + 6) - 2 * 0.25 + 0.5, 8 + 0.5])
+    assert c["forward"] == pytest.approx([6 + 0.5, 4 + 0.5])
+    chain = t.stage_costs([["a", "b"], ["c", "d"]], chained=True)
+    assert chain["backward"] == pytest.approx([(2 + 4) - 2 * 0.25, (6 + 8) - 0.25])
+    assert chain["forward"] == pytest.approx([3, 7])
+    tl = model_call(t, "sharded", [["a", "b"], ["c", "d"]], micro_batches=3)
+    per_micro_batch = (1 + 2 + 3 + 4) + (2 + 4 + 6 + 8) - 3 * 0.25
+    assert tl.wall_time == pytest.approx(0.125 + 3 * per_micro_batch + 0.75 + 0.0625)
+    split = split_table(grad_call=0.25).stage_costs([["a"], ["b", "c"]])
+    assert split["input-grad"][1] == pytest.approx(1.0 + 1.5 - 0.25 + 0.5)   # one call
+    assert split["weight-grad"][1] == pytest.approx(3.5 + 5.0 + 0.5)  # W: a call per group
 
 
 def split_table(**kw):
@@ -56,23 +83,26 @@ def split_table(**kw):
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
 def test_one_stage_one_micro_batch_is_the_tables_sum_for_every_backward(kind):
-    t = split_table()
-    tl = model_call(t, kind, [["a", "b"]], micro_batches=1)
+    t = dataclasses.replace(split_table(), concurrency=None)   # replicas: no contention
+    tl = model_call(t, kind, [["a", "b"]], micro_batches=1, replicas=2)
     # the first stage's inputs are data: its split backward is I of its first block, then
     # a full backward of its blocks as W; each pass pays per_pass
     back = (2 + 4) + 0.5 if kind != "zb-h1" else (0.0625 + 0.5) + ((2 + 4) + 0.5)
     assert tl.wall_time == pytest.approx(0.125 + (1 + 2) + 0.5 + back + 0.75 + 0.0625)
-    assert tl.meta["notes"] == []            # one worker: nothing the model cannot know
+    assert model_call(t, kind, [["a", "b"]], micro_batches=1).meta["notes"] == []  # one worker
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1"])
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [2, 3])
 def test_each_extra_micro_batch_on_one_stage_adds_its_passes_with_measured_halves(kind, m):
     t = split_table()
     one = model_call(t, kind, [["a", "b", "c", "d"]], micro_batches=m).wall_time
     more = model_call(t, kind, [["a", "b", "c", "d"]], micro_batches=m + 1).wall_time
     back = 20 + 0.5 if kind != "zb-h1" else (0.0625 + 0.5) + (20 + 0.5)
-    assert more - one == pytest.approx((10 + 0.5) + back)
+    if kind == "1f1b":      # one stage: each micro-batch whole, a chain: no pass costs
+        assert more - one == pytest.approx(10 + 20)
+    else:
+        assert more - one == pytest.approx((10 + 0.5) + back)
 
 
 def test_later_stages_split_their_backward_by_the_measured_halves():
@@ -308,6 +338,7 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
     assert t.blocks == ["b0", "b1"]
     assert all(v > 0 for v in t.forward + t.backward)
     assert t.per_pass >= 0 and t.handoff > 0 and t.cores >= 1 and t.micro_batch == 8
+    assert 0 < t.grad_call < 0.01            # a gradient call's fixed cost: tens of µs
     assert len(t.input_grad) == len(t.weight_grad) == 2
     assert all(v >= 0 for v in t.input_grad + t.weight_grad) and t.weight_grad[1] > 0
     assert t.concurrency[0] == 1.0 and len(t.concurrency) >= 2

@@ -9,6 +9,10 @@ costs a real call pays on top of the blocks' compute:
   plus ``per_pass``, the fixed cost of running one action (ipukit's bookkeeping and the
   stage module's call), measured as the idle gap between passes and drawn as one: a
   modeled pass's span starts after its share of ``per_pass``, as a measured span does;
+- a stage's backward is one gradient call over its blocks, each timed as a call of its
+  own: it pays ``grad_call`` (a call's fixed cost) once, not once per block;
+- a sharded training call runs as a plain loop does (the executor's chain): its passes
+  pay no ``per_pass``, and one gradient call per micro-batch runs every stage's backward;
 - an activation or gradient that crosses to another worker costs ``handoff`` (a
   worker waking another); stages one worker runs (a sharded call's, several on one
   IPU) hand over for free;
@@ -124,6 +128,12 @@ class CostTable:
     graph_walk: Optional[List[float]] = None
     #: per block, the separate gradient calls its ``W`` makes (see ``graph_walk``)
     weight_calls: Optional[List[int]] = None
+    #: seconds of a gradient call's fixed cost (a call on a one-node graph:
+    #: :func:`ipukit.balance.gradient_call`). Each block's backward is timed as a call of
+    #: its own; a stage's backward is one call over its blocks, and a sharded call's one
+    #: call over the whole model per micro-batch, so they pay it fewer times than their
+    #: blocks' sum. 0: not measured
+    grad_call: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,41 +146,59 @@ class CostTable:
         return json.dumps(self.to_dict(), indent=1)
 
     def stage_costs(self, stage_blocks: Sequence[Sequence[str]],
-                    on_worker: bool = False) -> Dict[str, List[float]]:
+                    on_worker: bool = False, chained: bool = False) -> Dict[str, List[float]]:
         """Per stage: forward and backward compute (the blocks' sums) plus the pass cost.
 
+        A stage's backward (and input-gradient half) is one gradient call over its blocks,
+        each timed as a call of its own: ``grad_call`` less for each block beyond the first.
+
         ``on_worker``: the blocks' costs on a pipeline's worker thread (:attr:`on_worker`,
-        where measured), for a call whose workers run at once."""
+        where measured), for a call whose workers run at once. ``chained``: a sharded
+        training call, which runs as a plain loop does (:class:`ipukit.runtime.fused.Chain`):
+        no pass pays ``per_pass``, and one gradient call per micro-batch runs every
+        stage's backward (the last stage's holds its fixed cost)."""
         if on_worker and self.on_worker:
             worker = self.on_worker
             table = CostTable(**dict(self.to_dict(), on_worker=None,
                                      forward=worker["forward"], backward=worker["backward"],
                                      input_grad=worker.get("input_grad"),
                                      weight_grad=worker.get("weight_grad")))
-            return table.stage_costs(stage_blocks)
+            return table.stage_costs(stage_blocks, chained=chained)
         index = {b: i for i, b in enumerate(self.blocks)}
         missing = [b for names in stage_blocks for b in names if b not in index]
         if missing:
             raise ValueError(f"stage_costs: blocks {missing} are not in the table "
                              f"(it has {self.blocks})")
-        fwd = [sum(self.forward[index[b]] for b in names) + self.per_pass
+        per_pass = 0.0 if chained else self.per_pass
+        last = len(stage_blocks) - 1
+
+        def calls_saved(s: int, names: Sequence[str]) -> float:
+            # the calls a stage's one backward call (a chain's one per micro-batch) saves
+            # against its blocks' own
+            own = 1 if (not chained or s == last) else 0
+            return max(0, len(names) - own) * self.grad_call
+
+        fwd = [sum(self.forward[index[b]] for b in names) + per_pass
                for names in stage_blocks]
-        bwd = [sum(self.backward[index[b]] for b in names) + self.per_pass
-               for names in stage_blocks]
+        bwd = [max(0.0, sum(self.backward[index[b]] for b in names) - calls_saved(s, names))
+               + per_pass for s, names in enumerate(stage_blocks)]
         out = {"forward": fwd, "backward": bwd}
         if self.input_grad and self.weight_grad:
             # the stage that takes the data needs no input gradient: its W is a full
             # backward of its blocks (ipukit's W back-propagates from the stage's outputs)
             first = self.blocks[0] if self.blocks else None
+            # the first stage's I is its first block's pass alone; a later stage's I is one
+            # call over its blocks; W's calls add up (one per parameter group, each block's)
             out["input-grad"] = [
                 (self.input_grad[index[names[0]]] if names and names[0] == first
-                 else sum(self.input_grad[index[b]] for b in names)) + self.per_pass
+                 else max(0.0, sum(self.input_grad[index[b]] for b in names)
+                          - max(0, len(names) - 1) * self.grad_call)) + per_pass
                 for names in stage_blocks]
             out["weight-grad"] = [
-                (sum(self.backward[index[b]] for b in names) if names and names[0] == first
-                 else sum(self.weight_grad[index[b]] for b in names) + self.walks_below(names))
-                + self.per_pass
-                for names in stage_blocks]
+                bwd[s] if names and names[0] == first          # a full backward
+                else (sum(self.weight_grad[index[b]] for b in names) + self.walks_below(names)
+                      + per_pass)
+                for s, names in enumerate(stage_blocks)]
         return out
 
     def walks_below(self, names: Sequence[str]) -> float:
@@ -270,8 +298,12 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     ipus = list(schedule.stage_ipus)
     workers = len(schedule.lanes) * replicas
     concurrent = workers > 1 and "sharded" not in schedule.kind   # sharded: one at a time
-    c = table.stage_costs(stage_blocks, on_worker=concurrent)
     training = schedule.training
+    # a sharded training call of one replica runs as a plain loop (the executor's Chain,
+    # where anchors or half-precision weights do not keep it on the action path)
+    chained = training and replicas == 1 and schedule.chained
+    c = table.stage_costs(stage_blocks, on_worker=concurrent, chained=chained)
+    pass_cost = 0.0 if chained else table.per_pass
     fwd = c["forward"]
     bwd = c["backward"] if training else [0.0] * N
     lane_of = schedule.lane_of_stage
@@ -355,9 +387,9 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         # between consecutive passes of a one-worker run), so its modeled span leaves that
         # share out, as a measured span does: busy shares count the same thing in both
         cost = costs[k][s]
-        if k == STEP or cost <= 0 or table.per_pass <= 0:
+        if k == STEP or cost <= 0 or pass_cost <= 0:
             return a
-        return a + (b - a) * min(1.0, table.per_pass / cost)
+        return a + (b - a) * min(1.0, pass_cost / cost)
 
     def events_of(times) -> List[Event]:
         events: List[Event] = []
