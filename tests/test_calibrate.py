@@ -71,6 +71,9 @@ def test_a_stage_pays_one_gradient_calls_fixed_cost_a_chain_one_per_micro_batch(
     tl = model_call(t, "sharded", [["a", "b"], ["c", "d"]], micro_batches=3)
     per_micro_batch = (1 + 2 + 3 + 4) + (2 + 4 + 6 + 8) - 3 * 0.25
     assert tl.wall_time == pytest.approx(0.125 + 3 * per_micro_batch + 0.75 + 0.0625)
+    # two replicas: the action path (per_pass on every pass), the backward still fused
+    tl = model_call(t, "sharded", [["a", "b"], ["c", "d"]], micro_batches=3, replicas=2)
+    assert tl.wall_time == pytest.approx(0.125 + 3 * (per_micro_batch + 4 * 0.5) + 0.75 + 0.0625)
     split = split_table(grad_call=0.25).stage_costs([["a"], ["b", "c"]])
     assert split["input-grad"][1] == pytest.approx(1.0 + 1.5 - 0.25 + 0.5)   # one call
     assert split["weight-grad"][1] == pytest.approx(3.5 + 5.0 + 0.5)  # W: a call per group

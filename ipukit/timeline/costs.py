@@ -11,8 +11,9 @@ costs a real call pays on top of the blocks' compute:
   modeled pass's span starts after its share of ``per_pass``, as a measured span does;
 - a stage's backward is one gradient call over its blocks, each timed as a call of its
   own: it pays ``grad_call`` (a call's fixed cost) once, not once per block;
-- a sharded training call runs as a plain loop does (the executor's chain): its passes
-  pay no ``per_pass``, and one gradient call per micro-batch runs every stage's backward;
+- where one worker runs every stage (a sharded call), one gradient call per micro-batch
+  runs every stage's backward; a sharded training call of one replica runs as a plain
+  loop does (the executor's chain), whose passes pay no ``per_pass``;
 - an activation or gradient that crosses to another worker costs ``handoff`` (a
   worker waking another); stages one worker runs (a sharded call's, several on one
   IPU) hand over for free;
@@ -146,24 +147,27 @@ class CostTable:
         return json.dumps(self.to_dict(), indent=1)
 
     def stage_costs(self, stage_blocks: Sequence[Sequence[str]],
-                    on_worker: bool = False, chained: bool = False) -> Dict[str, List[float]]:
+                    on_worker: bool = False, fused: bool = False,
+                    chained: bool = False) -> Dict[str, List[float]]:
         """Per stage: forward and backward compute (the blocks' sums) plus the pass cost.
 
         A stage's backward (and input-gradient half) is one gradient call over its blocks,
         each timed as a call of its own: ``grad_call`` less for each block beyond the first.
 
         ``on_worker``: the blocks' costs on a pipeline's worker thread (:attr:`on_worker`,
-        where measured), for a call whose workers run at once. ``chained``: a sharded
-        training call, which runs as a plain loop does (:class:`ipukit.runtime.fused.Chain`):
-        no pass pays ``per_pass``, and one gradient call per micro-batch runs every
-        stage's backward (the last stage's holds its fixed cost)."""
+        where measured), for a call whose workers run at once. ``fused``: one gradient
+        call per micro-batch runs every stage's backward (the last stage's holds its fixed
+        cost), as the executor's :class:`~ipukit.runtime.fused.FusedBackward` does where one
+        worker runs every stage. ``chained`` (fused too): a call that runs as a plain loop
+        does (:class:`ipukit.runtime.fused.Chain`), whose passes pay no ``per_pass``."""
+        fused = fused or chained
         if on_worker and self.on_worker:
             worker = self.on_worker
             table = CostTable(**dict(self.to_dict(), on_worker=None,
                                      forward=worker["forward"], backward=worker["backward"],
                                      input_grad=worker.get("input_grad"),
                                      weight_grad=worker.get("weight_grad")))
-            return table.stage_costs(stage_blocks, chained=chained)
+            return table.stage_costs(stage_blocks, fused=fused, chained=chained)
         index = {b: i for i, b in enumerate(self.blocks)}
         missing = [b for names in stage_blocks for b in names if b not in index]
         if missing:
@@ -173,9 +177,9 @@ class CostTable:
         last = len(stage_blocks) - 1
 
         def calls_saved(s: int, names: Sequence[str]) -> float:
-            # the calls a stage's one backward call (a chain's one per micro-batch) saves
+            # the calls a stage's one backward call (a fused one per micro-batch) saves
             # against its blocks' own
-            own = 1 if (not chained or s == last) else 0
+            own = 1 if (not fused or s == last) else 0
             return max(0, len(names) - own) * self.grad_call
 
         fwd = [sum(self.forward[index[b]] for b in names) + per_pass
@@ -299,10 +303,14 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     workers = len(schedule.lanes) * replicas
     concurrent = workers > 1 and "sharded" not in schedule.kind   # sharded: one at a time
     training = schedule.training
-    # a sharded training call of one replica runs as a plain loop (the executor's Chain,
-    # where anchors or half-precision weights do not keep it on the action path)
-    chained = training and replicas == 1 and schedule.chained
-    c = table.stage_costs(stage_blocks, on_worker=concurrent, chained=chained)
+    # one worker for every stage (a sharded call, or a pipeline on one lane) runs one
+    # backward per micro-batch over all stages (the executor's FusedBackward), and a
+    # chained call of one replica as a plain loop (its Chain; anchors or half-precision
+    # weights keep it on the action path, which the model does not know of)
+    fused = (training and not schedule.split_backward
+             and (schedule.sequential or workers == 1))
+    chained = fused and replicas == 1 and schedule.chained
+    c = table.stage_costs(stage_blocks, on_worker=concurrent, fused=fused, chained=chained)
     pass_cost = 0.0 if chained else table.per_pass
     fwd = c["forward"]
     bwd = c["backward"] if training else [0.0] * N
