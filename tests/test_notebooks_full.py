@@ -20,8 +20,11 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 @pytest.mark.timeout(3600)
 @pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1", reason="full MNIST: set IPUKIT_SLOW=1")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
-def test_notebook_passes_its_checks_in_full_mode(path):
+def test_notebook_passes_its_checks_in_full_mode(path, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "IPUKIT_QUICK"}
+    # the notebooks' temporary folders go when their kernel shuts down; nbval kills it, and
+    # full mode keeps them for the reader (quick mode's checks remove them): put them here
+    env["TMPDIR"] = str(tmp_path)
     env.setdefault("IPUKIT_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
