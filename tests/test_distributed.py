@@ -309,6 +309,22 @@ def test_launcher_command(tmp_path, monkeypatch):
     assert "--standalone" not in cmd and "host0:29500" in cmd and "GLOO_SOCKET_IFNAME" not in env
 
 
+def test_a_run_leaves_nothing_in_the_temporary_directory(tmp_path):
+    """torchrun makes a folder of per-process log folders for every run and never removes
+    it; ipukit-run gives it one inside its own temporary folder, removed when the run ends."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'])\n")
+    env = dict(os.environ, TMPDIR=str(tmp), CUDA_VISIBLE_DEVICES="")
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0" in proc.stdout and "rank 1" in proc.stdout
+    assert sorted(os.listdir(tmp)) == []
+
+
 def test_options_distributed_reads_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")

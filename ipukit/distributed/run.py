@@ -12,7 +12,8 @@ processes on a few cores: more threads only oversubscribe). Each model checks,
 when it compiles, that N equals its virtual IPUs × replicationFactor and every
 process stops with an error saying which N it needs. When a process fails, the
 others are stopped (torchrun) and this command ends with one line naming the
-process that failed first and its exception.
+process that failed first and its exception. torchrun's log folders go in a temporary
+folder that is removed when the run ends.
 """
 from __future__ import annotations
 
@@ -126,6 +127,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd, env = build_command(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ipukit-run-") as folder:
         env["IPUKIT_FAILURE_DIR"] = folder
+        # torchrun makes a folder of (empty) per-process log folders for every run, in the
+        # system's temporary directory unless told where, and never removes it: 196 of
+        # them had piled up in /tmp here. Given ours, they go when the run ends.
+        cmd = cmd[:3] + ["--log-dir", os.path.join(folder, "torchrun")] + cmd[3:]
         try:
             code = subprocess.call(cmd, env=env)
         except KeyboardInterrupt:
