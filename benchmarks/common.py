@@ -53,6 +53,11 @@ SMOKE = Sizes(rounds=2, steps_per_round=2, width=32, layers_per_stage=1, micro_b
 BATCH = 40  # the tutorial's micro-batch size
 
 
+class Unavailable(Exception):
+    """A benchmark that cannot run here (an optional peer not installed, a torch too old
+    for what it measures): reported as skipped, with the reason, not as a failure."""
+
+
 def cores() -> int:
     """Cores this process may run on (what ipukit divides among its workers)."""
     try:

@@ -28,7 +28,9 @@ import sys
 import tempfile
 from statistics import median
 
-from .common import Sizes, median_ratio, paired_ratio, verdict
+import torch
+
+from .common import Sizes, Unavailable, median_ratio, paired_ratio, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,7 +72,14 @@ def _over_launches(runs: list, a: str, b: str) -> tuple:
 
 
 def distributed(s: Sizes) -> dict:
+    from ipukit.runtime.processes.group import PROCESS_RUNTIME_TORCH, torch_release
+
     from .suite import row
+
+    if torch_release() < PROCESS_RUNTIME_TORCH:
+        raise Unavailable(f"ipukit's process runtime needs torch "
+                          f"{'.'.join(map(str, PROCESS_RUNTIME_TORCH))} or later; this is torch "
+                          f"{torch.__version__}")
 
     runs = [launch(s, VARIANTS[k:] + VARIANTS[:k]) for k in range(s.distributed_launches)]
     # throughput ratio = inverse time ratio

@@ -16,8 +16,8 @@ from ipukit.timeline.simulate import model_like, uncontended_costs
 from ipukit.timeline.events import Timeline
 
 from . import anchor, distributed, passes, peers, pipeline_win
-from .common import (BATCH, Sizes, cores, interleaved, median, paired_ratio, threads, timed,
-                     verdict)
+from .common import (BATCH, Sizes, Unavailable, cores, interleaved, median, paired_ratio,
+                     threads, timed, verdict)
 from .models import (PlainStep, balanced_data, balanced_ipukit, tiny_pair, tutorial_data,
                      tutorial_pipelined, tutorial_single_stage)
 
@@ -254,6 +254,10 @@ def _peer_in_process(s: Sizes, n: int) -> Dict[str, float]:
 
 def peer_comparison(s: Sizes) -> dict:
     """ipukit ÷ torchgpipe and ÷ torch.distributed.pipelining, same model and micro-batches."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchgpipe") is None:
+        raise Unavailable('torchgpipe is not installed (pip install "ipukit[bench]")')
     rows, details = [], {}
     for n in s.stage_counts:
         d = _peer_in_process(s, n)
@@ -427,6 +431,9 @@ def run_one(name: str, sizes: Sizes) -> dict:
     start = time.perf_counter()
     try:
         out = BENCHMARKS[name](sizes)
+    except Unavailable as why:
+        out = {"rows": [row(name, "skipped", float("nan"), note=str(why))],
+               "details": {"skipped": str(why)}}
     except Exception as exc:  # noqa: BLE001 - a broken benchmark is reported, not fatal
         out = {"rows": [row(name, "failed", float("nan"), note=f"{type(exc).__name__}: {exc}")],
                "details": {"error": repr(exc)}}

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 
@@ -20,6 +21,8 @@ def _seed():
 def data_root():
     if not os.path.isdir(os.path.join(DATA_ROOT, "MNIST", "raw")):
         pytest.skip(f"real MNIST not found under {DATA_ROOT}/MNIST/raw (set IPUKIT_DATA)")
+    if importlib.util.find_spec("torchvision") is None:   # ipukit.datasets reads it with it
+        pytest.skip('MNIST is read with torchvision: pip install "ipukit[examples]"')
     return DATA_ROOT
 
 
@@ -30,3 +33,25 @@ def _cpu_unless_gpu_marked(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None and torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``processes`` run ipukit's process runtime, which needs a newer torch
+    than its threads (``PROCESS_RUNTIME_TORCH``); tests marked ``needs("module", ...)`` an
+    optional module (an extra). Where either is missing they are skipped, saying why, so
+    that the suite runs as far as it can on, e.g., a GPU machine's preinstalled torch 2.11."""
+    from ipukit.runtime.processes.group import PROCESS_RUNTIME_TORCH, torch_release
+
+    old = torch_release() < PROCESS_RUNTIME_TORCH
+    wanted = ".".join(map(str, PROCESS_RUNTIME_TORCH))
+    for item in items:
+        if old and item.get_closest_marker("processes") is not None:
+            item.add_marker(pytest.mark.skip(
+                reason=f"ipukit's process runtime needs torch {wanted} or later; this is "
+                       f"torch {torch.__version__}"))
+        for mark in item.iter_markers("needs"):
+            missing = [m for m in mark.args if importlib.util.find_spec(m) is None]
+            if missing:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs {', '.join(missing)} (an extra: pip install "
+                           f"\"ipukit[test]\")"))

@@ -28,6 +28,9 @@ def test_smoke_run_writes_results(tmp_path):
     assert set(data["results"]) == set(BENCHMARKS)
     for name, result in data["results"].items():
         assert "error" not in result["details"], (name, result["details"])
+        if "skipped" in result["details"]:   # a peer or a torch this machine lacks: said why
+            assert name in ("peers", "distributed") and result["details"]["skipped"], name
+            continue
         values = [r["value"] for r in result["rows"]]
         assert values and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values), name
     machine = data["machine"]
@@ -283,3 +286,18 @@ def test_tables_measured_alike_pool_each_rows_rounds():
     assert "1 of 1 rows within ±15 %, 1 within ±10 busy points" in text
     with pytest.raises(ValueError, match="rows differ"):
         pool([one, dict(two, rows=[dict(two["rows"][0], config="gpipe, 2 IPUs")])])
+
+
+def test_a_benchmark_that_cannot_run_here_is_skipped_with_its_reason(monkeypatch):
+    """An optional peer not installed, or a torch too old for the process runtime: the
+    benchmark's row says so and the run does not fail (a GPU machine has torch 2.11)."""
+    sys.path.insert(0, REPO)
+    from benchmarks import suite
+    from benchmarks.common import SMOKE
+    import ipukit.runtime.processes.group as group
+
+    monkeypatch.setattr(group, "torch_release", lambda: (2, 11))
+    out = suite.run_one("distributed", SMOKE)
+    assert out["details"] == {"skipped": out["rows"][0]["note"]}
+    assert "needs torch 2.14 or later" in out["details"]["skipped"]
+    assert out["rows"][0]["metric"] == "skipped"

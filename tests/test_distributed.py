@@ -69,6 +69,7 @@ def dp2pp2(tmp_path_factory):
 CASES = ["all", "final", "sum", "gpipe", "four_stages"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_match_threads(pp2, case):
     for rank in (0, 1):
@@ -80,6 +81,7 @@ def test_two_processes_match_threads(pp2, case):
             assert d_out == t_out and d_loss == t_loss
 
 
+@pytest.mark.processes
 def test_torch_schedule_class_where_identical_else_the_runtime(pp2, dp2pp2):
     # torch's own class where its per-rank actions are exactly ipukit's: Schedule1F1B /
     # ScheduleGPipe (one stage per process), the modern ones' classes (two per process);
@@ -98,6 +100,7 @@ def test_torch_schedule_class_where_identical_else_the_runtime(pp2, dp2pp2):
 MODERN = ["interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", MODERN)
 def test_modern_schedules_on_two_processes_match_threads_and_the_plain_loop(pp2, case):
     """Several stages per process (loop or V placement), split backward (I, W): the same
@@ -122,6 +125,7 @@ DDP_CASES = ["all", "final", "sum", "gpipe", "interleaved-1f1b"]
 ALL_REDUCE_CASES = ["zbv", "zb-h1"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", DDP_CASES + ALL_REDUCE_CASES)
 def test_two_replicas_of_two_stages_match_threads(dp2pp2, case):
     # exactly the same weights as threads, BatchNorm buffers included, either way: the all-reduce
@@ -137,6 +141,7 @@ def test_two_replicas_of_two_stages_match_threads(dp2pp2, case):
     assert dp2pp2[0][case]["order"]
 
 
+@pytest.mark.processes
 def test_replicas_use_ddp_unless_a_backward_is_split(pp2, dp2pp2):
     """Full backwards: each of a process's stages under torch's DDP (one per process for 1F1B
     and GPipe, two for interleaved 1F1B); a split backward (ZBV, ZB-H1): no DDP, one
@@ -153,12 +158,14 @@ def test_replicas_use_ddp_unless_a_backward_is_split(pp2, dp2pp2):
             assert pp2[rank][case]["sync"] is None and not any(pp2[rank][case]["under_ddp"])
 
 
+@pytest.mark.processes
 def test_inference_matches_threads(pp2, dp2pp2):
     for results in (pp2, dp2pp2):
         for r in results.values():
             assert r["inference"]["outputs"] == 0.0
 
 
+@pytest.mark.processes
 def test_outputs_of_both_stages_reach_both_processes(pp2):
     """A model output from each stage: each process returns all of them (the end-of-call
     exchange, ipukit/distributed/exchange.py), equal to threads call after call."""
@@ -168,6 +175,7 @@ def test_outputs_of_both_stages_reach_both_processes(pp2):
         assert mine == [[16, 8], [16, 3], [8]]  # DI 2 × GA 4 micro-batches of 2; a loss each
 
 
+@pytest.mark.processes
 def test_gathered_timeline_has_a_track_per_replica_and_ipu(pp2, dp2pp2):
     for results, tracks in ((pp2, ["0/0", "0/1"]), (dp2pp2, ["0/0", "0/1", "1/0", "1/1"])):
         r = results[0]["all"]
@@ -187,6 +195,7 @@ def memory(tmp_path_factory):
     return {rank: r["memory"] for rank, r in results.items()}
 
 
+@pytest.mark.processes
 def test_each_process_measures_its_virtual_ipu_and_process_0_gathers_them(memory):
     """track_memory() with stages as processes: each process tracks its virtual IPU during the
     call; process 0's timeline holds a track per (replica, virtual IPU), process 1's its own.
@@ -218,6 +227,7 @@ def test_each_process_measures_its_virtual_ipu_and_process_0_gathers_them(memory
         assert 0 < before <= after and m["allocator_peak"] is None
 
 
+@pytest.mark.processes
 def test_process_memory_agrees_with_threads_but_for_torchs_receive_buffers(memory):
     """The same model, split, schedule (1F1B) and batch on threads: each virtual IPU's peak
     agrees within 10 % once torch's receive buffers are set aside. torch's PipelineStage
@@ -233,6 +243,7 @@ def test_process_memory_agrees_with_threads_but_for_torchs_receive_buffers(memor
         assert abs(proc["peak"] - receive - thr["peak"]) <= 0.1 * thr["peak"], (proc, thr)
 
 
+@pytest.mark.processes
 def test_wrong_process_count_and_mismatch_are_clear_errors(pp2):
     for r in pp2.values():
         assert "runs as 4 processes" in r["wrong_count"] and "--nproc 4" in r["wrong_count"]
@@ -240,6 +251,7 @@ def test_wrong_process_count_and_mismatch_are_clear_errors(pp2):
         assert "inputs differ" in r["mismatch"]
 
 
+@pytest.mark.processes
 def test_a_raising_process_ends_the_run(pp2_launch):
     # the pp2 launch ends with rank 1 raising inside a call (its optimiser's third step)
     proc, results, seconds = pp2_launch
@@ -259,6 +271,7 @@ def test_a_raising_process_ends_the_run(pp2_launch):
         assert "process 1 failed (ValueError: boom" in stopped[0]["error"]
 
 
+@pytest.mark.processes
 def test_a_killed_process_ends_the_run(tmp_path):
     """Rank 1 is SIGKILLed inside a call (no error of its own to report): torchrun ends the run
     within seconds, far inside the process group's 60 s timeout, and says which rank."""
@@ -371,6 +384,7 @@ def test_not_launched_runs_on_threads():
     assert model.isCompiled() and "processes" not in model.runtime_state
 
 
+@pytest.mark.processes
 def test_processes_configured_without_a_launcher_is_a_clear_error(monkeypatch):
     from helpers import StackNet, make_data
 
@@ -437,6 +451,7 @@ def test_dataloader_share_too_small_is_a_clear_error():
         ipukit.DataLoader(o, torch.utils.data.TensorDataset(torch.zeros(3)), batch_size=4)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1", reason="a full epoch: set IPUKIT_SLOW=1")
 def test_tutorial_mnist_as_four_processes_learns_like_threads(data_root, tmp_path):
@@ -465,6 +480,7 @@ def test_tutorial_mnist_as_four_processes_learns_like_threads(data_root, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.skipif(os.environ.get("IPUKIT_SLOW") != "1",
                     reason="a 4-process launch of the training script (about 45 s): set IPUKIT_SLOW=1")
 def test_training_script_runs_as_four_processes(data_root, tmp_path):
@@ -503,6 +519,7 @@ def test_training_script_runs_as_four_processes(data_root, tmp_path):
         page.unlink()
 
 
+@pytest.mark.processes
 def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     from ipukit.runtime.processes.runtime import ensure_process_group
 

@@ -176,6 +176,7 @@ torch.distributed.destroy_process_group()
 '''
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="NCCL needs a GPU per process (ipukit.distributed.group)")
 def test_two_processes_on_cuda_time_the_pipeline_with_events(tmp_path):

@@ -277,6 +277,7 @@ def _launch(tmp_path, scenario, nproc=2, timeout=240):
     return proc, results, time.monotonic() - started
 
 
+@pytest.mark.processes
 def test_a_stalled_process_ends_the_call_everywhere_and_the_next_call_works(tmp_path):
     """Rank 1's forward blocks (released 4 s after it entered): both processes raise a
     StallError naming both, with their state undone; the process group is rebuilt and the
