@@ -485,7 +485,7 @@ def report(result: Dict) -> str:
               f"(slowest − fastest round, over the median) was over 30 % on {len(wide)} rows: "
               "a pipelined call's time on threads depends on how the scheduler and the "
               "interpreter lock interleave its workers, which differs from one built model to "
-              "the next.", "", _quiet_summary(result), "",
+              "the next.", "", _quiet_summary(result) + _noise_summary(result["rows"]), "",
               "Model ÷ replay and replay ÷ measured split each row's ratio in two (their product "
               "is the row's ratio, round by round): the replay is the call's own passes (each "
               "stage's median forward, backward, split halves and step, as measured in that "
@@ -542,6 +542,32 @@ def _quiet_summary(result: Dict) -> str:
     return (said + f"; {again} rounds were measured again because it moved, and the "
             f"calibrations waited {waited:.0f} s in all for it to come within 1.2× of the "
             "fastest seen.")
+
+
+def _noise_summary(rows) -> str:
+    """How much the measured and the modeled values moved from round to round (each round
+    calibrates afresh): a row's ratio is one moment's model over another moment's call."""
+    def spread(values: List[float]) -> Optional[float]:
+        values = [v for v in values if v == v and v > 0]
+        return (max(values) - min(values)) / statistics.median(values) \
+            if len(values) > 1 else None
+
+    measured, modeled = [], []
+    for r in rows:
+        ms, ratios = r.get("round_ms") or [], r.get("round_ratios") or []
+        if len(ms) > 1 and len(ratios) == len(ms):
+            measured.append(spread(ms))
+            modeled.append(spread([a * b for a, b in zip(ratios, ms)]))
+    measured = [v for v in measured if v is not None]
+    modeled = [v for v in modeled if v is not None]
+    if not measured or not modeled:
+        return ""
+    return (f" The rounds' own spread (slowest − fastest over the median; the median over "
+            f"rows): measured {statistics.median(measured):.0%}, modeled "
+            f"{statistics.median(modeled):.0%}, each round's table calibrated afresh. A row's "
+            "ratio is one moment's model over another moment's call, so where each moves "
+            "that much from round to round a row can fall outside ±15 % with no bias in the "
+            "model: the bias shows in the direction rows miss over several tables.")
 
 
 def _shared_count(rows) -> str:
@@ -739,6 +765,38 @@ def merge(parts: List[Dict]) -> Dict:
     return merged
 
 
+def pooled(tables: List[Dict], names: Optional[List[str]] = None) -> str:
+    """Several tables' rounds pooled row by row (markdown): each row's median over every
+    round's model ÷ measured ratio, and each table's ratio beside it. One table's ratio
+    mixes the model's bias with two moments' noise; over several tables the noise falls
+    both ways and the bias stays on one side (a row below 1 in every table)."""
+    names = names or [f"table {i + 1}" for i in range(len(tables))]
+    keyed = [{(r["model"], r["config"]): r for r in t["rows"]} for t in tables]
+    rows = [k for k in keyed[0] if all(k in t for t in keyed[1:])]
+    lines = ["| model | configuration | rounds | pooled model ÷ measured | "
+             + " | ".join(names) + " | busy gap, median (points) |",
+             "|---|---|---|---|" + "---|" * len(names) + "---|"]
+    inside = both = 0
+    per_kind: Dict[str, List[float]] = {}
+    for k in rows:
+        ratios = [x for t in keyed for x in (t[k].get("round_ratios") or [t[k]["ratio"]])]
+        gaps = [t[k]["busy_gap_points"] or 0.0 for t in keyed]
+        med = statistics.median(ratios)
+        ok = abs(med - 1) <= 0.15
+        inside += ok
+        both += ok and statistics.median(gaps) <= 10
+        per_kind.setdefault("sharded" if keyed[0][k]["kind"] == "sharded" else "pipelined",
+                            []).append(med)
+        lines.append(f"| {k[0]} | {k[1]} | {len(ratios)} | {med:.2f}{'' if ok else ' ✗'} | "
+                     + " | ".join(f"{t[k]['ratio']:.2f}" for t in keyed)
+                     + f" | {statistics.median(gaps):.0f} |")
+    sides = "; ".join(f"{kind}: {sum(v < 1 for v in vals)} of {len(vals)} rows below 1 "
+                      f"({min(vals):.2f}–{max(vals):.2f})" for kind, vals in per_kind.items())
+    lines += ["", f"Pooled: {inside} of {len(rows)} rows within ±15 %, {both} within ±15 % "
+              f"and ±10 busy points (the median of the tables' gaps). {sides}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
@@ -765,11 +823,16 @@ def main(argv=None) -> int:
                     help="only these schedules' rows, comma-separated (sharded, gpipe, ...)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="join parts measured side by side into one table in --out")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", default=None,
+                    help="print several tables' rounds pooled row by row (bias against noise)")
     ap.add_argument("--same-process", action="store_true",
                     help="measure every model in this process (default: each in a fresh one)")
     args = ap.parse_args(argv)
     if args.smoke and os.path.abspath(args.out) == HERE:
         ap.error("--smoke needs --out (it never writes over the recorded results)")
+    if args.pool:
+        print(pooled(read_results(args.pool), [os.path.basename(p) for p in args.pool]))
+        return 0
     if args.merge:
         result = merge(read_results(args.merge))
         write_result(args.out, "calibration", result, report(result))

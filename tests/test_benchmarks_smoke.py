@@ -129,6 +129,39 @@ def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
     assert "- m, c (" not in text
 
 
+def test_calibration_report_gives_the_rounds_own_spread_measured_and_modeled():
+    """Each round calibrates afresh: the report says how much the measured call and the
+    model moved from round to round (the median over rows of max − min over the median)."""
+    from benchmarks.calibration import _noise_summary
+
+    rows = [{"round_ms": [100.0, 110.0, 90.0], "round_ratios": [1.0, 1.0, 1.0]},
+            {"round_ms": [50.0, 50.0, 50.0], "round_ratios": [0.8, 1.0, 1.2]},
+            {"round_ms": [10.0], "round_ratios": [1.0]}]   # one round: no spread
+    text = _noise_summary(rows)
+    # measured: 20 % and 0 % -> median 10 %; modeled: 20 % and 40 % -> 30 %
+    assert "measured 10%, modeled 30%" in text
+    assert _noise_summary([{"round_ms": [1.0], "round_ratios": [1.0]}]) == ""
+
+
+def test_calibration_pool_pools_the_tables_rounds_row_by_row():
+    """--pool: each row's median over every table's rounds; the bias (the side rows miss on
+    in every table) apart from the noise (misses both ways)."""
+    from benchmarks.calibration import pooled
+
+    def table(ratios_a, ratios_b, gap=2.0):
+        def row(config, kind, rounds):
+            return {"model": "m", "config": config, "kind": kind, "ratio": sorted(rounds)[1],
+                    "round_ratios": rounds, "busy_gap_points": gap}
+        return {"rows": [row("a", "sharded", ratios_a), row("b", "1f1b", ratios_b)]}
+
+    text = pooled([table([0.7, 1.0, 1.3], [0.80, 0.82, 0.84]),
+                   table([1.3, 1.0, 0.7], [0.86, 0.80, 0.90], gap=20.0)], ["x", "y"])
+    assert "| m | a | 6 | 1.00 | 1.00 | 1.00 | 11 |" in text
+    assert "| m | b | 6 | 0.83 ✗ | 0.82 | 0.86 | 11 |" in text
+    assert "Pooled: 1 of 2 rows within ±15 %, 0 within ±15 % and ±10 busy points" in text
+    assert "pipelined: 1 of 1 rows below 1 (0.83–0.83)" in text
+
+
 def test_calibration_names_a_flip_of_the_two_threads_gain_on_a_one_worker_row():
     import torch
     from benchmarks.calibration import _cause, _seconds, machine_ms, thread_gain
