@@ -246,6 +246,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                          "waited_s": waited[i],
                          "pass_stretch": {k: statistics.median(r[k] for r in stretches[i])
                                           for k in stretches[i][0]},
+                         **path_split(modeled[i], timelines[i], calls),
                          "busy_measured": busy_m, "busy_modeled": busy_p,
                          "busy_range": ranged,
                          "busy_gap_points": _gap_points(busy_m, ranged or
@@ -393,6 +394,41 @@ def pass_stretch(timelines, table, kind: str, stages, ipus) -> Dict[str, float]:
             for (s, k), v in sorted(spans.items()) if costs[k][s] > 0}
 
 
+def path_split(modeled, timelines, calls: int) -> Dict:
+    """Each round's model against its calls along their critical paths
+    (:meth:`ipukit.Timeline.critical_path`): the passes on the path and the rest (steps,
+    each worker's bookkeeping between passes, hand-offs, the host), model ÷ measured, the
+    median over rounds (a round's measured side: the median over its calls); with the
+    rest's share of the measured call and each part's median, modeled and measured (ms)."""
+    def split(tl):
+        cp = tl.critical_path()
+        return cp["passes"], cp["wall"] - cp["passes"], cp["parts"]
+
+    passes, rest, share, parts_measured, parts_modeled = [], [], [], [], []
+    for r, m in enumerate(modeled):
+        got = [split(tl) for tl in timelines[r * calls:(r + 1) * calls]]
+        if not got:
+            continue
+        mp, mr, mparts = split(m)
+        p = statistics.median(g[0] for g in got)
+        q = statistics.median(g[1] for g in got)
+        passes.append(mp / p if p > 0 else float("nan"))
+        rest.append(mr / q if q > 0 else float("nan"))
+        share.append(statistics.median(g[1] / (g[0] + g[1]) for g in got))
+        parts_measured += [g[2] for g in got]
+        parts_modeled.append(mparts)
+    if not passes:
+        return {}
+
+    def medians(each):
+        return {k: statistics.median(d[k] for d in each) * 1e3 for k in each[0]}
+    return {"path_passes_ratio": statistics.median(passes),
+            "path_rest_ratio": statistics.median(rest),
+            "path_rest_share": statistics.median(share),
+            "path_parts_measured_ms": medians(parts_measured),
+            "path_parts_modeled_ms": medians(parts_modeled)}
+
+
 def replay(timeline, statistic: str = "median") -> float:
     """The call's own passes (each stage's median forward, backward, split halves and
     step, as measured in it; or their ``statistic``) replayed on its schedule with a core
@@ -454,9 +490,10 @@ def report(result: Dict) -> str:
                 "are missing" if result.get("parts_missing") else ""), "",
              "| model | configuration | measured ms/call | rounds' medians (spread) "
              "| modeled ms/call | model ÷ measured | model ÷ replay | replay ÷ measured "
-             "| the same at mean passes | busy per IPU measured | busy per IPU modeled "
+             "| the same at mean passes | critical path: passes, rest (model ÷ measured; "
+             "the rest's share measured) | busy per IPU measured | busy per IPU modeled "
              "| largest busy gap (points) | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ok = "" if abs(r["ratio"] - 1) <= 0.15 else " ✗"
         gap = "—" if r["busy_gap_points"] is None else f"{r['busy_gap_points']:.0f}"
@@ -468,7 +505,7 @@ def report(result: Dict) -> str:
             f"| {r['modeled_ms']:.1f} "
             f"| {r['ratio']:.2f}{ok}{_rounds(r)} "
             f"| {_num(r.get('model_vs_replay'))} | {_num(r.get('replay_vs_measured'))} "
-            f"| {_num(r.get('mean_replay_vs_measured'))} "
+            f"| {_num(r.get('mean_replay_vs_measured'))} | {_path(r)} "
             f"| {', '.join(f'{b:.0%}' for b in r['busy_measured'])} "
             f"| {_modeled_busy(r)} | {gap} "
             f"| {r.get('load', float('nan')):.1f} |")
@@ -498,7 +535,7 @@ def report(result: Dict) -> str:
               "ran far longer than their median (a worker that waited out a time slice for a "
               "core, with more workers than cores), and the schedule's critical path paid for "
               "them, which a model of typical passes shared fairly over the cores leaves out.",
-              ""]
+              "", _path_summary(result["rows"]), ""]
     outside = [r for r in result["rows"] if r not in both]
     if outside:
         lines += ["Rows outside a goal, and what the model leaves out for them:", ""]
@@ -520,6 +557,41 @@ def report(result: Dict) -> str:
         f"calibration {_seconds(v['calibration_seconds'])}"
         for k, v in result["tables"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _path(row: Dict) -> str:
+    if row.get("path_passes_ratio") is None:
+        return "—"
+    return (f"{row['path_passes_ratio']:.2f}, {row['path_rest_ratio']:.2f} "
+            f"({row['path_rest_share'] * 100:.0f} %)")
+
+
+def _path_summary(rows) -> str:
+    """Where each kind of row's error lies along the critical path, over the rows."""
+    def med(values):
+        values = [v for v in values if v is not None and v == v]
+        return statistics.median(values) if values else None
+
+    out = []
+    for label, chosen in (("pipelined", [r for r in rows if r.get("kind") != "sharded"]),
+                          ("sharded", [r for r in rows if r.get("kind") == "sharded"])):
+        p = med(r.get("path_passes_ratio") for r in chosen)
+        q = med(r.get("path_rest_ratio") for r in chosen)
+        share = med(r.get("path_rest_share") for r in chosen)
+        if p is None or q is None:
+            continue
+        below = sum(1 for r in chosen if (r.get("path_passes_ratio") or 1) < 1)
+        out.append(f"{label} rows ({len(chosen)}): the passes on the path modeled at a median "
+                   f"{p:.2f}× the call's ({below} of {len(chosen)} below 1), the rest at "
+                   f"{q:.2f}× (the rest: {share:.0%} of a measured call)")
+    if not out:
+        return ""
+    return ("The critical path (`Timeline.critical_path()`: walked back from the call's last "
+            "pass through whichever input or earlier action of the same worker ended last, "
+            "the same walk on the modeled and the measured call) splits each row's error in "
+            "two: its passes, and the rest of its time (steps, each worker's bookkeeping "
+            "between passes, hand-offs, the host's set-up and gathering). "
+            + "; ".join(out) + ".")
 
 
 def _quiet_summary(result: Dict) -> str:
@@ -631,6 +703,11 @@ def _cause(row: Dict, cores: int, device: str = "CPU", quiet: bool = False) -> s
     """What the model leaves out for a row outside a goal: the larger part of its error, from
     the row's own replay, then a hint of why."""
     causes = []
+    if row.get("path_passes_ratio") is not None:
+        p, q = row["path_passes_ratio"], row["path_rest_ratio"]
+        causes.append(f"on the critical path, its passes modeled at {p:.2f}× the call's and "
+                      f"the rest at {q:.2f}× (the rest: {row['path_rest_share']:.0%} of the "
+                      "measured call)")
     passes, rest = row.get("model_vs_replay"), row.get("replay_vs_measured")
     if passes is not None and rest is not None:
         if abs(passes - 1) >= abs(rest - 1):

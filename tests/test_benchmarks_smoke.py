@@ -129,6 +129,31 @@ def test_calibration_report_splits_each_ratio_into_passes_and_the_rest():
     assert "- m, c (" not in text
 
 
+def test_calibration_splits_each_rounds_error_along_the_critical_path():
+    """Model and calls walked alike: passes 15 against 18.75 (0.80), the rest (host) 0.5
+    against 1.0; the report's column and the row's cause say so."""
+    import ipukit
+    from benchmarks.calibration import path_split, report
+
+    model = ipukit.simulate("gpipe", 2, 4, 1.0, 2.0, host_overhead=0.5)
+    call = ipukit.simulate("gpipe", 2, 4, 1.25, 2.5, host_overhead=1.0)
+    got = path_split([model, model], [call, call, call, call], calls=2)
+    assert got["path_passes_ratio"] == pytest.approx(0.8)
+    assert got["path_rest_ratio"] == pytest.approx(0.5)
+    assert got["path_rest_share"] == pytest.approx(1.0 / 19.75)
+    assert got["path_parts_measured_ms"]["host"] == pytest.approx(1e3)
+    row = {"model": "m", "config": "g", "kind": "gpipe", "workers": 2, "load": 0.5,
+           "measured_ms": 100.0, "modeled_ms": 78.0, "round_ms": [100.0],
+           "round_ratios": [0.78], "spread": 0.0, "ratio": 0.78, "busy_measured": [0.5, 0.5],
+           "busy_modeled": [0.5, 0.5], "busy_gap_points": 0, **got}
+    text = report({"rows": [row], "tables": {}, "ga": 8, "di": 2, "calls": 2, "rounds": 2,
+                   "cores": 2, "threads": 2, "torch": "x", "device": "CPU"})
+    assert "| 0.80, 0.50 (5 %) |" in text
+    assert "on the critical path, its passes modeled at 0.80× the call's and the rest at " \
+           "0.50×" in text
+    assert "pipelined rows (1): the passes on the path modeled at a median 0.80×" in text
+
+
 def test_calibration_report_gives_the_rounds_own_spread_measured_and_modeled():
     """Each round calibrates afresh: the report says how much the measured call and the
     model moved from round to round (the median over rows of max − min over the median)."""
