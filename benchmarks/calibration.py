@@ -553,10 +553,21 @@ def report(result: Dict) -> str:
         f"step {v['step'] * 1e3:.2f} ms, k passes at once run at "
         f"{', '.join(f'{c:.2f}' for c in v.get('concurrency') or [])} (k = 1, 2, …), "
         f"split backward I + W ÷ B per block "
-        f"{', '.join(_split_ratio(v))}{_walks(v)}, "
+        f"{', '.join(_split_ratio(v))}{_walks(v)}{_released(v)}, "
         f"calibration {_seconds(v['calibration_seconds'])}"
         for k, v in result["tables"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _released(table: Dict) -> str:
+    """The table's release per block after a backward and its optimiser-state copy."""
+    out = ""
+    if table.get("release"):
+        out += (", released after a backward per block "
+                f"{', '.join(f'{r * 1e6:.0f}' for r in table['release'])} µs")
+    if table.get("state_copy"):
+        out += f", the optimiser state's undo copy {table['state_copy'] * 1e3:.2f} ms"
+    return out
 
 
 def _path(row: Dict) -> str:

@@ -79,6 +79,61 @@ def test_a_stage_pays_one_gradient_calls_fixed_cost_a_chain_one_per_micro_batch(
     assert split["weight-grad"][1] == pytest.approx(3.5 + 5.0 + 0.5)  # W: a call per group
 
 
+def test_a_stage_backward_pays_its_blocks_release_where_it_is_its_own_gradient_call():
+    """What a backward action frees as it returns (each block's, measured) is paid by a
+    stage's own backward or W, not by I, nor by a fused backward (one worker)."""
+    release = [0.125, 0.25, 0.0625, 0.0]
+    t = table(release=release)
+    c = t.stage_costs([["a", "b"], ["c", "d"]])
+    assert c["backward"] == pytest.approx([6 + 0.5 + 0.375, 14 + 0.5 + 0.0625])
+    assert c["forward"] == pytest.approx([3 + 0.5, 7 + 0.5])
+    assert t.stage_costs([["a", "b"], ["c", "d"]], fused=True) == \
+        table().stage_costs([["a", "b"], ["c", "d"]], fused=True)
+    split = split_table(release=release).stage_costs([["a"], ["b", "c"]])
+    assert split["input-grad"][1] == pytest.approx(1.0 + 1.5 + 0.5)
+    assert split["weight-grad"][1] == pytest.approx(3.5 + 5.0 + 0.5 + 0.3125)
+    assert split["weight-grad"][0] == pytest.approx(2 + 0.5 + 0.125)   # a full backward
+    tl = model_call(t, "gpipe", [["a", "b"], ["c", "d"]], micro_batches=1)
+    assert tl.wall_time == pytest.approx(0.125 + 3.5 + 0.25 + 7.5 + 14.5625 + 0.25 + 6.875
+                                         + 0.75 + 0.0625)
+    spans = {(e.stage, e.kind): e.duration for e in tl.device_events() if e.kind != "step"}
+    assert spans[(0, "backward")] == pytest.approx(6) and spans[(1, "backward")] == \
+        pytest.approx(14)        # released and fixed costs are idle before the span
+    # an unmeasured split: B's share to I and W, the release all W's
+    zb = {(e.stage, e.kind): e for e in model_call(t, "zb-h1", [["a", "b"], ["c", "d"]],
+                                                   micro_batches=1).device_events()}
+    assert zb[(1, "input-grad")].duration == pytest.approx(7.0)
+    assert zb[(1, "weight-grad")].duration == pytest.approx(7.0)
+    assert zb[(1, "weight-grad")].start - zb[(1, "input-grad")].end == pytest.approx(0.5625)
+
+
+def test_a_training_call_pays_the_undo_copy_of_its_optimisers_state_before_its_passes():
+    t, copied = table(), table(state_copy=0.5)
+    for kind in ("gpipe", "sharded"):
+        a = model_call(t, kind, [["a", "b"], ["c", "d"]], micro_batches=2)
+        b = model_call(copied, kind, [["a", "b"], ["c", "d"]], micro_batches=2)
+        assert b.wall_time - a.wall_time == pytest.approx(0.5)
+        assert min(e.start for e in b.device_events()) == pytest.approx(
+            min(e.start for e in a.device_events()) + 0.5)
+    infer = [model_call(x, "inference", [["a", "b"], ["c", "d"]], micro_batches=2).wall_time
+             for x in (t, copied)]
+    assert infer[0] == pytest.approx(infer[1])      # no optimiser, no state to copy
+
+
+def test_state_copy_cost_times_copies_and_leaves_the_training_optimiser_alone():
+    from ipukit.calibrate import state_copy_cost
+    torch.manual_seed(0)
+    net = StackNet(num_blocks=2, width=64)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    got = state_copy_cost(net, adam)
+    assert isinstance(got, float) and got >= 0.0
+    assert adam.state == {} and all(p.grad is None for p in net.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert state_copy_cost(net, torch.optim.SGD(net.parameters(), lr=0.1)) == 0.0
+    assert state_copy_cost(net, None) == 0.0
+
+
 def split_table(**kw):
     return table(input_grad=[0.0625, 1.0, 1.5, 2.5], weight_grad=[1.5, 3.5, 5.0, 6.5],
                  concurrency=[1.0, 1.5, 1.25], **kw)
@@ -341,6 +396,8 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
     assert t.blocks == ["b0", "b1"]
     assert all(v > 0 for v in t.forward + t.backward)
     assert t.per_pass >= 0 and t.handoff > 0 and t.cores >= 1 and t.micro_batch == 8
+    assert len(t.release) == len(t.blocks) and all(r >= 0 for r in t.release)
+    assert t.state_copy == 0.0        # plain SGD keeps no state
     assert 0 < t.grad_call < 0.01            # a gradient call's fixed cost: tens of µs
     assert len(t.input_grad) == len(t.weight_grad) == 2
     assert all(v >= 0 for v in t.input_grad + t.weight_grad) and t.weight_grad[1] > 0

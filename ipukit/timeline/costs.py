@@ -11,6 +11,10 @@ costs a real call pays on top of the blocks' compute:
   modeled pass's span starts after its share of ``per_pass``, as a measured span does;
 - a stage's backward is one gradient call over its blocks, each timed as a call of its
   own: it pays ``grad_call`` (a call's fixed cost) once, not once per block;
+- a backward (or ``W``) action that is its stage's own gradient call also pays, after its
+  span, the release of what its blocks held for the micro-batch (``release``, each
+  block's measured in the one-worker run: the gap after its backward beyond
+  ``per_pass``); drawn, like ``per_pass``, before the span;
 - where one worker runs every stage (a sharded call), one gradient call per micro-batch
   runs every stage's backward; a sharded training call of one replica runs as a plain
   loop does (the executor's chain), whose passes pay no ``per_pass``;
@@ -44,8 +48,9 @@ costs a real call pays on top of the blocks' compute:
   first stage beside a second stage running F, I and W took 1.14-1.54× as long as beside
   the same stage running F and B, waiting for the lock 38-42 times a step against 15);
 - each optimiser step costs ``step`` on the host, once per iteration, after the flush;
-- a call pays ``host_before`` (splitting the inputs) and ``host_after`` (gathering the
-  outputs) around its passes.
+- a call pays ``host_before`` (splitting the inputs, the undo copy) and ``host_after``
+  (gathering the outputs) around its passes, and a training call the undo copy of its
+  optimiser's state (``state_copy``) before them.
 
 What the model leaves out is said where it is drawn (``Timeline.meta["notes"]``, shown
 under :func:`ipukit.viz.plots.compare_figure`): contention is an average rate — which
@@ -135,6 +140,17 @@ class CostTable:
     #: call over the whole model per micro-batch, so they pay it fewer times than their
     #: blocks' sum. 0: not measured
     grad_call: float = 0.0
+    #: seconds a training call's undo copy spends on the optimiser's state, before its
+    #: passes (the blocks' run that gives ``host_before`` has none: added to it)
+    state_copy: float = 0.0
+    #: per block, seconds a backward action spends after its span releasing what the block
+    #: held for that micro-batch (its graph and activations, freed as the action returns),
+    #: beyond ``per_pass``: the gap after the block's backward in the one-worker run, less
+    #: ``per_pass``. A stage's backward (or ``W``) pays its blocks' sum where each stage's
+    #: backward is its own gradient call (measured on 2 cores: the ViT's 6-block first
+    #: stage spent 210 µs a backward after its span, its one-block stages 60-80 µs). None:
+    #: not measured (``per_pass`` alone)
+    release: Optional[List[float]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,8 +200,11 @@ class CostTable:
 
         fwd = [sum(self.forward[index[b]] for b in names) + per_pass
                for names in stage_blocks]
+        # a stage's own gradient call frees its blocks' graphs as its action returns; a
+        # fused one (one worker) frees them all in the one call, as the blocks' run did
+        freed = [0.0] * len(stage_blocks) if fused else self.stage_release(stage_blocks)
         bwd = [max(0.0, sum(self.backward[index[b]] for b in names) - calls_saved(s, names))
-               + per_pass for s, names in enumerate(stage_blocks)]
+               + per_pass + freed[s] for s, names in enumerate(stage_blocks)]
         out = {"forward": fwd, "backward": bwd}
         if self.input_grad and self.weight_grad:
             # the stage that takes the data needs no input gradient: its W is a full
@@ -201,9 +220,18 @@ class CostTable:
             out["weight-grad"] = [
                 bwd[s] if names and names[0] == first          # a full backward
                 else (sum(self.weight_grad[index[b]] for b in names) + self.walks_below(names)
-                      + per_pass)
+                      + per_pass + freed[s])
                 for s, names in enumerate(stage_blocks)]
         return out
+
+    def stage_release(self, stage_blocks: Sequence[Sequence[str]]) -> List[float]:
+        """Per stage, what its backward (or ``W``) action spends releasing its blocks'
+        graphs and activations after its span: the blocks' :attr:`release` summed (0 where
+        the table has none)."""
+        if not self.release:
+            return [0.0] * len(stage_blocks)
+        index = {b: i for i, b in enumerate(self.blocks)}
+        return [sum(self.release[index[b]] for b in names) for names in stage_blocks]
 
     def walks_below(self, names: Sequence[str]) -> float:
         """What a ``W`` of the stage of blocks ``names`` pays beyond its blocks' own: each
@@ -312,6 +340,7 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     chained = fused and replicas == 1 and schedule.chained
     c = table.stage_costs(stage_blocks, on_worker=concurrent, fused=fused, chained=chained)
     pass_cost = 0.0 if chained else table.per_pass
+    freed = [0.0] * N if fused else table.stage_release(stage_blocks)
     fwd = c["forward"]
     bwd = c["backward"] if training else [0.0] * N
     lane_of = schedule.lane_of_stage
@@ -328,8 +357,11 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         # its W is the whole backward (measured: 0.01 ms of I against 2.65 ms of W for
         # the convnet's first stage)
         share = [1.0 if s == 0 else table.weight_share for s in range(N)]
-        i_cost = [(b - table.per_pass) * (1 - w) + table.per_pass for b, w in zip(bwd, share)]
-        w_cost = [(b - table.per_pass) * w + table.per_pass for b, w in zip(bwd, share)]
+        # (the release after a backward is W's: I keeps what W needs)
+        i_cost = [(b - table.per_pass - f) * (1 - w) + table.per_pass
+                  for b, w, f in zip(bwd, share, freed)]
+        w_cost = [(b - table.per_pass - f) * w + table.per_pass + f
+                  for b, w, f in zip(bwd, share, freed)]
     costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}
     # a hand-off is one worker waking another: stages a single worker runs in turn (a
     # sharded call's, or a looped schedule's on one IPU) pass their tensors straight on
@@ -337,7 +369,8 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     transfers = {FORWARD: [table.handoff if crosses[s] else 0.0 for s in range(N)],
                  BACKWARD: [table.handoff if s < N - 1 and crosses[s + 1] else 0.0
                             for s in range(N)]}
-    start = table.host_before
+    before = table.host_before + (table.state_copy if training else 0.0)
+    start = before
     notes: List[str] = []
     in_turn = None
     if cores is None and table.concurrency and concurrent:
@@ -393,16 +426,19 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     def span_start(k: str, s: int, a: float, b: float) -> float:
         # a pass's fixed cost is measured as the idle gap before it (``per_pass``: the gap
         # between consecutive passes of a one-worker run), so its modeled span leaves that
-        # share out, as a measured span does: busy shares count the same thing in both
+        # share out, as a measured span does: busy shares count the same thing in both. A
+        # backward's release (after its span, measured) is left out of the span alike,
+        # drawn before it with the pass's fixed cost
         cost = costs[k][s]
-        if k == STEP or cost <= 0 or pass_cost <= 0:
+        fixed = pass_cost + (freed[s] if k in (BACKWARD, WEIGHT_GRAD) else 0.0)
+        if k == STEP or cost <= 0 or fixed <= 0:
             return a
-        return a + (b - a) * min(1.0, pass_cost / cost)
+        return a + (b - a) * min(1.0, fixed / cost)
 
     def events_of(times) -> List[Event]:
         events: List[Event] = []
-        if table.host_before > 0:
-            events.append(Event(-1, "host", -1, 0.0, table.host_before, -1, 0, 0, 0))
+        if before > 0:
+            events.append(Event(-1, "host", -1, 0.0, before, -1, 0, 0, 0))
         for replica in range(replicas):
             for lane, lane_times in zip(schedule.lanes, times[replica]):
                 events += [Event(s, KIND_NAMES[k], m, span_start(k, s, a, b), b, ipus[s],
