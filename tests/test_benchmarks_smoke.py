@@ -154,6 +154,20 @@ def test_calibration_splits_each_rounds_error_along_the_critical_path():
     assert "pipelined rows (1): the passes on the path modeled at a median 0.80×" in text
 
 
+def test_calibration_sets_each_pipelined_rounds_ratio_beside_the_rate_of_two_passes():
+    from benchmarks.calibration import _pair_summary
+
+    rows = [{"kind": "gpipe", "pair_rate": [(2.0, 1.4), (2.0, 1.95), (1.5, 1.9)],
+             "round_ratios": [1.3, 1.0, 0.8]},
+            {"kind": "sharded", "pair_rate": [(2.0, 1.0)], "round_ratios": [0.5]}]
+    text = _pair_summary(rows)
+    assert "read 1.40–2.00 over the pipelined rounds" in text
+    assert "fell by 15 % or more in 1 (their ratios' median 1.30, 1 outside ±15 %)" in text
+    assert "rose as much in 1 (their ratios' median 0.80, 1 outside ±15 %)" in text
+    assert "held in 1 (their ratios' median 1.00, 0 outside ±15 %)" in text
+    assert _pair_summary([{"kind": "gpipe", "round_ratios": [1.0]}]) == ""
+
+
 def test_calibration_report_gives_the_rounds_own_spread_measured_and_modeled():
     """Each round calibrates afresh: the report says how much the measured call and the
     model moved from round to round (the median over rows of max − min over the median)."""
