@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +70,8 @@ def test_help_prints_every_option():
         assert option in proc.stdout
     for module, options in (("calibration", ("--kinds", "--merge", "--quiet")),
                             ("cpu_pairs", ("--replicas", "--pool")),
-                            ("split_stage", ("--rounds", "--threads"))):
+                            ("split_stage", ("--rounds", "--threads")),
+                            ("cross_core", ("--rounds", "--smoke"))):
         proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -90,6 +92,48 @@ def test_split_stage_measures_and_models_each_stage_depth(tmp_path):
     assert data["rows"][0]["modeled_over_sum"] == 1.0      # one layer: nothing below it
     assert data["weight_calls"] == [6, 6]
     assert "| layers in the stage |" in (tmp_path / "split_stage.md").read_text()
+
+
+def test_cross_core_times_every_pass_in_each_way(tmp_path):
+    """The same two stages' passes (tiny run): every way, every pass timed; the one-thread
+    way is the reference (ratio 1)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cross_core", "--smoke",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "cross_core.json").read_text())
+    got = data["models"]["convnet"]
+    for way in ("one thread", "two threads, two cores", "two threads, one core",
+                "one thread, idle between"):
+        assert all(got["pass_ms"][way][p] > 0 for p in ("F0", "F1", "B1", "B0")), way
+    assert all(v == 1.0 for v in got["ratio"]["one thread"].values())
+    assert "| two threads, two cores |" in (tmp_path / "cross_core.md").read_text()
+
+
+def test_cross_core_ways_compute_the_same_gradients():
+    """Handing the passes between two threads (each hand-off through a queue) computes
+    what one thread computes: the same weight gradients, to the last bit."""
+    from benchmarks import cross_core
+
+    model, first, second, loss_of, data, _ = cross_core._stages("convnet", 2)
+    params = list(first.parameters()) + list(second.parameters())
+    try:
+        grads = []
+        with torch.enable_grad():
+            for way in ("one", "two"):
+                for p in params:
+                    p.grad = None
+                times = {k: [] for k in cross_core.PASSES}
+                if way == "one":     # one intra-op thread, as each of the two threads has
+                    cross_core._one(first, second, loss_of, data, times, None)
+                else:
+                    cross_core._Run(first, second, loss_of, data, times).two_threads(
+                        (None, None))
+                grads.append([p.grad.clone() for p in params])
+                assert all(len(v) == 2 for v in times.values())
+    finally:
+        model.destroy()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_median_ratio_is_the_ratio_of_medians_with_a_bootstrap_noise():

@@ -272,6 +272,19 @@ def test_more_workers_than_cores_on_a_cpu_says_what_the_average_leaves_out():
     assert all(any("calibrated rate" in n for n in notes) for notes in (four, two, gpu))
 
 
+def test_a_pipeline_on_a_cpu_says_its_waiting_passes_are_modeled_back_to_back():
+    """Passes of a worker that waited for its neighbour ran slower than back to back
+    (benchmarks/cross_core.md): a CPU pipeline's modeled call says so; one worker (sharded)
+    and a GPU's pipeline do not."""
+    t = table(cores=2, concurrency=[1.0, 1.8, 1.9, 1.9])
+    two = model_call(t, "1f1b", even_split(t.blocks, 2), 8).meta["notes"]
+    sharded = model_call(t, "sharded", even_split(t.blocks, 2), 8).meta["notes"]
+    gpu = model_call(dataclasses.replace(t, device="cuda:0"), "1f1b",
+                     even_split(t.blocks, 2), 8).meta["notes"]
+    assert any("cross_core.md" in n for n in two)
+    assert not any("cross_core.md" in n for n in sharded + gpu)
+
+
 def test_more_workers_than_cores_are_modeled_pinned_as_the_executor_pins_them(monkeypatch):
     # 4 stages on 2 cores: workers 0 and 2 share core 0, 1 and 3 core 1 (worker_cores).
     # Sharing only its own core, a pass never runs faster than sharing them all

@@ -88,6 +88,12 @@ IN_TURN_NOTE = ("; which of a core's workers runs is the OS's choice: Linux shar
                 "so each IPU's busy share is modeled as a range, from passes run in turn "
                 "to slices (busy_range; benchmarks/busy_spread.py)")
 
+WAITED_NOTE = ("a pass is modeled at its cost back to back, as the calibration times it; "
+               "where a worker waited for its neighbour first, the pass ran 1.1-1.35× "
+               "slower on the 2-core VM ipukit is measured on (a core that idled, a tensor "
+               "made on another core: benchmarks/cross_core.md), which such calls' model "
+               "leaves out")
+
 
 @dataclass
 class CostTable:
@@ -419,6 +425,8 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
             notes.append("contention not calibrated: passes of different workers are modeled "
                          "as running in parallel up to the core count; interpreter-lock "
                          "contention between workers is left out")
+    if concurrent and table.device.startswith("cpu"):
+        notes.append(WAITED_NOTE)
     if training and schedule.kind in ("zb-h1", "zbv", "dualpipev") and "input-grad" not in c:
         notes.append(f"split backward modeled as {1 - table.weight_share:.0%} / "
                      f"{table.weight_share:.0%} of a full backward (I and W not measured)")
