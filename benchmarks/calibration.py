@@ -415,19 +415,20 @@ def path_split(modeled, timelines, calls: int) -> Dict:
     rest's share of the measured call and each part's median, modeled and measured (ms)."""
     def split(tl):
         cp = tl.critical_path()
-        return cp["passes"], cp["wall"] - cp["passes"], cp["parts"]
+        return cp["passes"], cp["wall"] - cp["passes"], cp["parts"], waited_share(tl, cp)
 
-    passes, rest, share, parts_measured, parts_modeled = [], [], [], [], []
+    passes, rest, share, parts_measured, parts_modeled, waited = [], [], [], [], [], []
     for r, m in enumerate(modeled):
         got = [split(tl) for tl in timelines[r * calls:(r + 1) * calls]]
         if not got:
             continue
-        mp, mr, mparts = split(m)
+        mp, mr, mparts, _ = split(m)
         p = statistics.median(g[0] for g in got)
         q = statistics.median(g[1] for g in got)
         passes.append(mp / p if p > 0 else float("nan"))
         rest.append(mr / q if q > 0 else float("nan"))
         share.append(statistics.median(g[1] / (g[0] + g[1]) for g in got))
+        waited.append(statistics.median(g[3] for g in got))
         parts_measured += [g[2] for g in got]
         parts_modeled.append(mparts)
     if not passes:
@@ -438,8 +439,31 @@ def path_split(modeled, timelines, calls: int) -> Dict:
     return {"path_passes_ratio": statistics.median(passes),
             "path_rest_ratio": statistics.median(rest),
             "path_rest_share": statistics.median(share),
+            "path_waited_share": statistics.median(waited),
             "path_parts_measured_ms": medians(parts_measured),
             "path_parts_modeled_ms": medians(parts_modeled)}
+
+
+#: a worker idle longer than this before a pass had waited for it (a hand-off is 20-150 µs)
+WAITED_IDLE = 150e-6
+
+
+def waited_share(timeline, path: Optional[Dict] = None) -> float:
+    """The share of the call's wall time spent in passes on its critical path whose worker
+    had idled more than :data:`WAITED_IDLE` before them (waiting for a neighbour): the
+    passes ``benchmarks/cross_core.md`` measured 1.1-1.35× slower than back to back, which
+    the model costs as back to back."""
+    cp = path or timeline.critical_path()
+    before: Dict[int, float] = {}
+    tracks: Dict[tuple, list] = {}
+    for e in sorted(timeline.device_events(), key=lambda e: (e.start, e.end)):
+        tracks.setdefault((e.replica, e.ipu), []).append(e)
+    for lane in tracks.values():
+        for a, b in zip(lane, lane[1:]):
+            before[id(b)] = b.start - a.end
+    waited = sum(e.duration for e in cp["events"]
+                 if e.kind != "step" and before.get(id(e), 0.0) > WAITED_IDLE)
+    return waited / cp["wall"] if cp["wall"] > 0 else 0.0
 
 
 def replay(timeline, statistic: str = "median") -> float:
@@ -587,8 +611,10 @@ def _released(table: Dict) -> str:
 def _path(row: Dict) -> str:
     if row.get("path_passes_ratio") is None:
         return "—"
+    waited = row.get("path_waited_share")
     return (f"{row['path_passes_ratio']:.2f}, {row['path_rest_ratio']:.2f} "
-            f"({row['path_rest_share'] * 100:.0f} %)")
+            f"({row['path_rest_share'] * 100:.0f} %"
+            + (f"; after a wait {waited * 100:.0f} %" if waited is not None else "") + ")")
 
 
 def _path_summary(rows) -> str:
@@ -611,6 +637,20 @@ def _path_summary(rows) -> str:
                    f"{q:.2f}× (the rest: {share:.0%} of a measured call)")
     if not out:
         return ""
+    pipelined = [r for r in rows if r.get("kind") != "sharded"
+                 and r.get("path_waited_share") is not None]
+    if pipelined:
+        many = [r["ratio"] for r in pipelined if r["path_waited_share"] >= 0.3]
+        few = [r["ratio"] for r in pipelined if r["path_waited_share"] < 0.1]
+        out.append("passes after a wait (their worker idle over "
+                   f"{WAITED_IDLE * 1e6:.0f} µs first, which benchmarks/cross_core.md "
+                   "measured 1.1-1.35× slower than the back-to-back passes the table times): "
+                   + ", ".join(f"{len(v)} pipelined row{'s' * (len(v) != 1)} with {label} "
+                               "of the call in them, "
+                               f"model ÷ measured {statistics.median(v):.2f}"
+                               if v else f"no pipelined row with {label}"
+                               for label, v in (("30 % or more", many),
+                                                ("under 10 %", few))))
     return ("The critical path (`Timeline.critical_path()`: walked back from the call's last "
             "pass through whichever input or earlier action of the same worker ended last, "
             "the same walk on the modeled and the measured call) splits each row's error in "
@@ -764,6 +804,11 @@ def _cause(row: Dict, cores: int, device: str = "CPU", quiet: bool = False) -> s
         causes.append(f"on the critical path, its passes modeled at {p:.2f}× the call's and "
                       f"the rest at {q:.2f}× (the rest: {row['path_rest_share']:.0%} of the "
                       "measured call)")
+        waited = row.get("path_waited_share")
+        if waited and waited >= 0.1 and device == "CPU":
+            causes.append(f"{waited:.0%} of the call was passes on the path whose worker had "
+                          "waited first, which the model costs back to back "
+                          "(benchmarks/cross_core.md: 1.1-1.35× slower here)")
     passes, rest = row.get("model_vs_replay"), row.get("replay_vs_measured")
     if passes is not None and rest is not None:
         if abs(passes - 1) >= abs(rest - 1):

@@ -192,10 +192,32 @@ def test_calibration_splits_each_rounds_error_along_the_critical_path():
            "busy_modeled": [0.5, 0.5], "busy_gap_points": 0, **got}
     text = report({"rows": [row], "tables": {}, "ga": 8, "di": 2, "calls": 2, "rounds": 2,
                    "cores": 2, "threads": 2, "torch": "x", "device": "CPU"})
-    assert "| 0.80, 0.50 (5 %) |" in text
+    assert got["path_waited_share"] == 0.0    # each pass on the path follows its worker's
+    assert "| 0.80, 0.50 (5 %; after a wait 0 %) |" in text
+    assert "no pipelined row with 30 % or more" in text
+    assert "1 pipelined row with under 10 % of the call in them, model ÷ measured 0.78" in text
     assert "on the critical path, its passes modeled at 0.80× the call's and the rest at " \
            "0.50×" in text
     assert "pipelined rows (1): the passes on the path modeled at a median 0.80×" in text
+
+
+def test_waited_share_counts_the_path_passes_whose_worker_idled_first():
+    """On the path F0 mb0 (first on its worker), F0 mb1 (its worker idle 0.5 s first) and
+    F1 mb1 (idle 0.9 s first): the two that waited, 2 s of the 5.5 s call; a gap of a
+    hand-off's size (100 µs) is no wait."""
+    from benchmarks.calibration import waited_share
+    from ipukit.timeline.events import Event, Timeline
+
+    tl = Timeline([
+        Event(-1, "host", -1, 0.0, 1.0, -1),
+        Event(0, "forward", 0, 1.0, 2.0, 0), Event(0, "forward", 1, 2.5, 3.5, 0),
+        Event(1, "forward", 0, 2.2, 3.0, 1), Event(1, "forward", 1, 3.9, 4.9, 1),
+        Event(-1, "host", -1, 4.9, 5.5, -1),
+    ], meta={"kind": "gpipe"})
+    assert waited_share(tl) == pytest.approx(2.0 / 5.5)
+    close = Timeline([Event(0, "forward", 0, 0.0, 1.0, 0),
+                      Event(0, "forward", 1, 1.0001, 2.0, 0)], meta={"kind": "gpipe"})
+    assert waited_share(close) == 0.0
 
 
 def test_calibration_sets_each_pipelined_rounds_ratio_beside_the_rate_of_two_passes():
