@@ -202,22 +202,18 @@ def test_calibration_splits_each_rounds_error_along_the_critical_path():
 
 
 def test_waited_share_counts_the_path_passes_whose_worker_idled_first():
-    """On the path F0 mb0 (first on its worker), F0 mb1 (its worker idle 0.5 s first) and
-    F1 mb1 (idle 0.9 s first): the two that waited, 2 s of the 5.5 s call; a gap of a
+    """Stage 1's second forward (2.5-3.5 s) follows its worker's first after 0.5 s idle: it
+    waited, 1 s of the 3.5 s call. Stage 0's passes run back to back, and a gap of a
     hand-off's size (100 µs) is no wait."""
     from benchmarks.calibration import waited_share
     from ipukit.timeline.events import Event, Timeline
 
-    tl = Timeline([
-        Event(-1, "host", -1, 0.0, 1.0, -1),
-        Event(0, "forward", 0, 1.0, 2.0, 0), Event(0, "forward", 1, 2.5, 3.5, 0),
-        Event(1, "forward", 0, 2.2, 3.0, 1), Event(1, "forward", 1, 3.9, 4.9, 1),
-        Event(-1, "host", -1, 4.9, 5.5, -1),
-    ], meta={"kind": "gpipe"})
-    assert waited_share(tl) == pytest.approx(2.0 / 5.5)
-    close = Timeline([Event(0, "forward", 0, 0.0, 1.0, 0),
-                      Event(0, "forward", 1, 1.0001, 2.0, 0)], meta={"kind": "gpipe"})
-    assert waited_share(close) == 0.0
+    passes = [Event(0, "forward", 0, 0.0, 1.0, 0), Event(0, "forward", 1, 1.0, 2.0, 0),
+              Event(1, "forward", 0, 1.0001, 2.0, 1)]
+    tl = Timeline(passes + [Event(1, "forward", 1, 2.5, 3.5, 1)], meta={"kind": "gpipe"})
+    assert waited_share(tl) == pytest.approx(1.0 / 3.5)
+    soon = Timeline(passes + [Event(1, "forward", 1, 2.0001, 3.0, 1)], meta={"kind": "gpipe"})
+    assert waited_share(soon) == 0.0
 
 
 def test_calibration_sets_each_pipelined_rounds_ratio_beside_the_rate_of_two_passes():
