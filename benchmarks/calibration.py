@@ -454,10 +454,12 @@ def waited_share(timeline, path: Optional[Dict] = None) -> float:
     passes ``benchmarks/cross_core.md`` measured 1.1-1.35× slower than back to back, which
     the model costs as back to back."""
     cp = path or timeline.critical_path()
+    # a sharded call's stages are one worker's, as in its critical path
+    one_worker = str(timeline.meta.get("kind") or "").startswith("sharded")
     before: Dict[int, float] = {}
     tracks: Dict[tuple, list] = {}
     for e in sorted(timeline.device_events(), key=lambda e: (e.start, e.end)):
-        tracks.setdefault((e.replica, e.ipu), []).append(e)
+        tracks.setdefault((e.replica,) if one_worker else (e.replica, e.ipu), []).append(e)
     for lane in tracks.values():
         for a, b in zip(lane, lane[1:]):
             before[id(b)] = b.start - a.end

@@ -214,6 +214,13 @@ def test_waited_share_counts_the_path_passes_whose_worker_idled_first():
     assert waited_share(tl) == pytest.approx(1.0 / 3.5)
     soon = Timeline(passes + [Event(1, "forward", 1, 2.0001, 3.0, 1)], meta={"kind": "gpipe"})
     assert waited_share(soon) == 0.0
+    # one worker runs a sharded call's stages in turn: IPU 1 idle while IPU 0 works is
+    # that worker busy, not waiting
+    sharded = Timeline([Event(0, "forward", 0, 0.0, 1.0, 0), Event(1, "forward", 0, 1.0, 2.0, 1),
+                        Event(0, "forward", 1, 2.0, 3.0, 0), Event(1, "forward", 1, 3.0, 4.0, 1)],
+                       meta={"kind": "sharded"})
+    assert waited_share(sharded) == 0.0
+    assert waited_share(Timeline(sharded.events, meta={"kind": "gpipe"})) == pytest.approx(0.5)
 
 
 def test_calibration_sets_each_pipelined_rounds_ratio_beside_the_rate_of_two_passes():
