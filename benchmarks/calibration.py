@@ -29,6 +29,7 @@ leaves out for them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -154,6 +155,8 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
         walls: List[List[List[float]]] = [[] for _ in chosen]
         timelines: List[list] = [[] for _ in chosen]
         modeled: List[list] = [[] for _ in chosen]
+        unheld: List[list] = [[] for _ in chosen]    # the same model without table.held
+        helds: List[list] = [[] for _ in chosen]     # each round's table.held
         loads: List[List[float]] = [[] for _ in chosen]
         seconds: List[float] = []
         stretches: List[list] = [[] for _ in chosen]
@@ -197,6 +200,10 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                         break
                     retried[i].append((at_calibration[1], after[1]))
                 modeled[i].append(tl_model)
+                unheld[i].append(model_call(dataclasses.replace(table, held=None), kind,
+                                            stages, ga, iterations=di, stage_ipus=ipus,
+                                            samples=n).wall_time)
+                helds[i].append(table.held)
                 walls[i].append(got)
                 timelines[i] += tls
                 gains[i].append((at_calibration[0], after[0]))
@@ -238,6 +245,9 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                          "round_ratios": ratios,
                          "spread": (max(per_round) - min(per_round)) / measured,
                          "ratio": ratio,
+                         "ratio_unheld": statistics.median(
+                             u / w for u, w in zip(unheld[i], per_round)),
+                         "held": helds[i],
                          "model_vs_replay": statistics.median(
                              m.wall_time / q for m, q in zip(modeled[i], replays)),
                          "replay_vs_measured": statistics.median(
@@ -448,6 +458,29 @@ def path_split(modeled, timelines, calls: int) -> Dict:
 WAITED_IDLE = 150e-6
 
 
+def _held(table: Dict) -> str:
+    held = table.get("held")
+    return (f", a pass with other micro-batches held {held['forward']:.2f}× (forward), "
+            f"{held['backward']:.2f}× (backward)" if held else "")
+
+
+def _held_summary(rows: List[Dict]) -> str:
+    """The held stretch's part (``CostTable.held``): the pipelined rows' ratios with and
+    without it, each round's calls against the same round's table."""
+    pipelined = [r for r in rows if r["kind"] != "sharded" and r.get("ratio_unheld")]
+    if not pipelined:
+        return ""
+    def said(key: str) -> str:
+        ratios = [r[key] for r in pipelined]
+        return (f"a median {statistics.median(ratios):.2f}, "
+                f"{sum(abs(x - 1) <= 0.15 for x in ratios)} of {len(ratios)} within ±15 %")
+    return (" The held stretch (a pass run while other micro-batches' activations are held "
+            "on its worker, calibrated with four micro-batches held against one at a time; "
+            "the blocks are timed one at a time): the pipelined rows modeled with it at "
+            f"{said('ratio')}; without it, on the same calls and tables, at "
+            f"{said('ratio_unheld')}.")
+
+
 def waited_share(timeline, path: Optional[Dict] = None) -> float:
     """The share of the call's wall time spent in passes on its critical path whose worker
     had idled more than :data:`WAITED_IDLE` before them (waiting for a neighbour): the
@@ -575,7 +608,7 @@ def report(result: Dict) -> str:
               "ran far longer than their median (a worker that waited out a time slice for a "
               "core, with more workers than cores), and the schedule's critical path paid for "
               "them, which a model of typical passes shared fairly over the cores leaves out.",
-              "", _path_summary(result["rows"]), ""]
+              "", _path_summary(result["rows"]) + _held_summary(result["rows"]), ""]
     outside = [r for r in result["rows"] if r not in both]
     if outside:
         lines += ["Rows outside a goal, and what the model leaves out for them:", ""]
@@ -593,7 +626,7 @@ def report(result: Dict) -> str:
         f"step {v['step'] * 1e3:.2f} ms, k passes at once run at "
         f"{', '.join(f'{c:.2f}' for c in v.get('concurrency') or [])} (k = 1, 2, …), "
         f"split backward I + W ÷ B per block "
-        f"{', '.join(_split_ratio(v))}{_walks(v)}{_released(v)}, "
+        f"{', '.join(_split_ratio(v))}{_walks(v)}{_released(v)}{_held(v)}, "
         f"calibration {_seconds(v['calibration_seconds'])}"
         for k, v in result["tables"].items())]
     return "\n".join(lines) + "\n"

@@ -36,6 +36,9 @@ call the table will predict:
   (:func:`state_copy_cost`: that run trains with a stateless optimiser);
 - one optimiser step of the training's optimiser type, as the runtime steps, on copies of
   the weights, each after a forward of the model (a call's step follows its passes);
+- a pass's stretch while other micro-batches are held: a whole-model forward with
+  earlier micro-batches' activations held, and a backward reading activations written
+  passes ago, against one micro-batch at a time (:func:`held_stretch`);
 - one hand-off between two workers through the runtime's own mailboxes, to a worker
   waiting while the sender goes on computing (:func:`handoff_cost`);
 - the cores the executor really has (``os.sched_getaffinity``).
@@ -80,8 +83,9 @@ _CACHE: Dict[str, CostTable] = {}
 # runtime steps, after a forward; 6: each block's graph walk and W's gradient calls;
 # 7: each block's backward its own gradient call, not a share of one from the loss;
 # 8: a gradient call's fixed cost, ``grad_call``; 9: each block's release after its
-# backward, ``release``, and the undo copy of the optimiser's state, ``state_copy``)
-_TABLE_FORMAT = 9
+# backward, ``release``, and the undo copy of the optimiser's state, ``state_copy``;
+# 10: a pass's stretch while other micro-batches' activations are held, ``held``)
+_TABLE_FORMAT = 10
 
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
@@ -337,6 +341,121 @@ def concurrency(model: torch.nn.Module, sample_inputs, workers: Optional[int] = 
     return [1.0] + [min(limit(k), r / base) for k, r in enumerate(mean[1:], start=2)]
 
 
+def held_stretch(model: torch.nn.Module, sample_inputs, depth: int = 4,
+                 rounds: int = 8) -> Optional[Dict[str, float]]:
+    """How much slower a pass runs while other micro-batches' activations are held.
+
+    A pipelined call's stage runs a micro-batch's forward while earlier ones wait for their
+    backwards (GPipe holds all of them, 1F1B up to the stages after it), and each backward
+    reads activations written passes ago; the blocks are timed one micro-batch at a time,
+    each backward right after its forward. Here a copy of ``model`` runs on a worker
+    thread, with a pipeline worker's intra-op threads, ``depth`` micro-batches in each of
+    two orders, alternated over ``rounds`` rounds: one at a time (forward, backward; as the
+    blocks are timed) and held (``depth`` forwards, then their backwards, oldest first).
+    Per pass kind, the median over rounds of the round's ratio: the median of its held
+    passes that ran with another micro-batch held (every forward but the first, every
+    backward but the last) over the median of its passes one at a time. On 2 cores, five
+    times each: the convnet's backward 1.04-1.10×, its forward 0.96-1.01× (with eight held,
+    in another experiment and glibc's default allocator, 1.05-1.12×: each held forward
+    took fresh memory, about 200 page faults a micro-batch against none one at a time;
+    with the memory kept as a call keeps it, :mod:`ipukit.runtime.host_memory`, the
+    forwards 0.94-1.01×, the backwards 1.00-1.06×); the ViT's 0.95-1.10×, about 1.
+    None on a GPU (its memory is the device's).
+    """
+    import copy
+
+    from .runtime.executor import default_threads
+
+    args = as_args(sample_inputs)
+    if any(p.device.type != "cpu" for p in model.parameters()) or depth < 2:
+        return None
+    twin = copy.deepcopy(model)
+    params = [p for p in twin.parameters() if p.requires_grad]
+    if not params:
+        return None
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        if _scalar_loss(twin(*args)) is None:      # nothing to take a backward of
+            return None
+    times: Dict[str, Dict[str, List[float]]] = {"alone": {"forward": [], "backward": []},
+                                                "held": {"forward": [], "backward": []}}
+    clock = time.perf_counter
+
+    def forward() -> Tuple[torch.Tensor, float]:
+        t = clock()
+        loss = _scalar_loss(twin(*args))
+        return loss, clock() - t
+
+    def backward(loss) -> float:
+        t = clock()
+        torch.autograd.grad(loss, params, allow_unused=True)
+        return clock() - t
+
+    def alone(keep: bool) -> None:
+        for _ in range(depth):
+            loss, f = forward()
+            b = backward(loss)
+            if keep:
+                times["alone"]["forward"].append(f)
+                times["alone"]["backward"].append(b)
+
+    def held(keep: bool) -> None:
+        losses = []
+        for m in range(depth):
+            loss, f = forward()
+            losses.append(loss)
+            if keep and m > 0:
+                times["held"]["forward"].append(f)
+        for m, loss in enumerate(losses):
+            b = backward(loss)
+            if keep and m < depth - 1:
+                times["held"]["backward"].append(b)
+        losses.clear()
+
+    def work() -> None:
+        torch.set_num_threads(default_threads(2))
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            alone(False)
+            held(False)
+            for r in range(rounds):   # the orders in turn, each first half the time
+                first, second = (alone, held) if r % 2 == 0 else (held, alone)
+                first(True)
+                second(True)
+
+    _run_on_worker(work, "ipukit-calibrate-held")
+    out = {}
+    for kind in ("forward", "backward"):     # each round's ratio: the orders seconds apart
+        a, h = times["alone"][kind], times["held"][kind]
+        ratios = [statistics.median(h[r * (depth - 1):(r + 1) * (depth - 1)])
+                  / statistics.median(a[r * depth:(r + 1) * depth]) for r in range(rounds)]
+        out[kind] = statistics.median(ratios)
+    return out
+
+
+def _run_on_worker(work: Callable[[], None], name: str) -> None:
+    """``work()`` on a thread of its own; Ctrl-C waits for it (it leaves the model as it
+    was), and what it raises is raised again here."""
+    failed: list = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # raised again on the calling thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    interrupted = False
+    while thread.is_alive():
+        try:
+            thread.join()
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    if failed:
+        raise failed[0]
+
+
 def _on_a_worker_thread(model: torch.nn.Module, args: Tuple, order: Sequence[str],
                         repeats: int) -> Optional[Dict[str, Optional[List[float]]]]:
     """The blocks' costs timed again on a worker thread with a pipeline worker's intra-op
@@ -349,24 +468,10 @@ def _on_a_worker_thread(model: torch.nn.Module, args: Tuple, order: Sequence[str
     result: list = []
 
     def work() -> None:
-        try:
-            torch.set_num_threads(threads)
-            result.append(measure_split_blocks(model, args, order, repeats))
-        except BaseException as exc:  # raised again on the calling thread
-            result.append(exc)
+        torch.set_num_threads(threads)
+        result.append(measure_split_blocks(model, args, order, repeats))
 
-    thread = threading.Thread(target=work, name="ipukit-calibrate-worker", daemon=True)
-    thread.start()
-    interrupted = False
-    while thread.is_alive():   # Ctrl-C waits for the thread: it leaves the model as it was
-        try:
-            thread.join()
-        except KeyboardInterrupt:
-            interrupted = True
-    if interrupted:
-        raise KeyboardInterrupt
-    if isinstance(result[0], BaseException):
-        raise result[0]
+    _run_on_worker(work, "ipukit-calibrate-worker")
     fwd, bwd, input_grad, weight_grad, _ = result[0]
     return {"forward": fwd, "backward": bwd, "input_grad": input_grad,
             "weight_grad": weight_grad}
@@ -464,6 +569,7 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         found["handoff"] = handoff_cost(messages=30, work=forward)
         found["step"] = step_cost(model, optimizer, between=forward)
         found["state_copy"] = state_copy_cost(model, optimizer)
+        found["held"] = held_stretch(model, args)
 
     def contended() -> None:
         found["concurrency"] = concurrency(model, args) if contention else None
@@ -488,7 +594,7 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         input_grad=input_grad, weight_grad=weight_grad,
         concurrency=found["concurrency"], on_worker=on_worker, lock_share=shares or None,
         graph_walk=graph.get("graph_walk"), weight_calls=graph.get("weight_calls"),
-        grad_call=gradient_call(repeats, device=device),
+        grad_call=gradient_call(repeats, device=device), held=found["held"],
         notes={"measured": "each block alone (sharded, one worker), the median of "
                            f"{repeats} micro-batches in each of three calls seconds apart; "
                            "each block's split backward (I, W) alone; k passes at once on k "

@@ -285,6 +285,63 @@ def test_a_pipeline_on_a_cpu_says_its_waiting_passes_are_modeled_back_to_back():
     assert not any("cross_core.md" in n for n in sharded + gpu)
 
 
+def test_held_shares_read_which_passes_run_with_other_micro_batches_held():
+    """GPipe holds every micro-batch: each pass but a stage's first forward and last
+    backward runs with others held; 1F1B's last stage runs each micro-batch whole."""
+    from ipukit.schedules.build import build
+    from ipukit.timeline.costs import held_shares
+    gpipe = held_shares(build("gpipe", 2, 4, 1).lanes, 2)
+    assert gpipe["F"] == [0.75, 0.75] and gpipe["B"] == [0.75, 0.75]
+    one = held_shares(build("1f1b", 2, 4, 2).lanes, 2)
+    assert one["F"] == [0.75, 0.0] and one["B"] == [0.75, 0.0]     # afresh each iteration
+    zb = held_shares(build("zb-h1", 2, 4, 1).lanes, 2)
+    assert zb["B"] == [0.0, 0.0] and zb["W"][0] > 0 and zb["I"][0] > 0
+
+
+def test_a_pipelines_passes_with_others_held_cost_the_calibrated_stretch():
+    """With ``held``, a stage's passes cost their compute × (1 + (stretch − 1) × the share
+    of its passes run with others held), their fixed cost unstretched; one worker (fused,
+    each micro-batch whole) and a table without ``held`` are modeled as before."""
+    t = table(per_pass=0.5, handoff=0.0, step=0.0, host_before=0.0, host_after=0.0)
+    stages = [["a", "b"], ["c", "d"]]
+    plain = model_call(t, "gpipe", stages, 4, cores=8)
+    held = model_call(dataclasses.replace(t, held={"forward": 1.2, "backward": 1.1}), "gpipe",
+                      stages, 4, cores=8)
+    unit = model_call(dataclasses.replace(t, held={"forward": 1.0, "backward": 1.0}), "gpipe",
+                      stages, 4, cores=8)
+    assert unit.wall_time == pytest.approx(plain.wall_time)
+    assert any("held on its worker" in n for n in held.meta["notes"])
+    assert not any("held on its worker" in n for n in plain.meta["notes"])
+    # GPipe on 2 stages, 4 micro-batches: stage 1 runs F×4 then B×4 with 3 of 4 held
+    spans = {(e.stage, e.kind): e.duration for e in held.device_events()}
+    assert spans[(1, "forward")] == pytest.approx(7 * (1 + 0.2 * 0.75))
+    assert spans[(1, "backward")] == pytest.approx(14 * (1 + 0.1 * 0.75))
+    assert held.wall_time > plain.wall_time
+    sharded = dataclasses.replace(t, held={"forward": 2.0, "backward": 2.0})
+    assert model_call(sharded, "sharded", stages, 4).wall_time == \
+        pytest.approx(model_call(t, "sharded", stages, 4).wall_time)
+
+
+def test_held_stretch_times_both_orders_on_a_copy():
+    from ipukit.calibrate import held_stretch
+    torch.manual_seed(0)
+    net = StackNet(num_blocks=2, width=16)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x, y = make_data(8, width=16)
+    got = held_stretch(net, (x, y), depth=3, rounds=2)
+    assert sorted(got) == ["backward", "forward"] and all(v > 0 for v in got.values())
+    assert held_stretch(net, (x, y), depth=1) is None
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert all(p.grad is None for p in net.parameters())
+    assert not [th for th in threading.enumerate() if th.name.startswith("ipukit-calibrate")]
+
+
+def test_a_table_saved_before_held_loads_without_it():
+    data = table().to_dict()
+    del data["held"]
+    assert CostTable.from_dict(data).held is None
+
+
 def test_more_workers_than_cores_are_modeled_pinned_as_the_executor_pins_them(monkeypatch):
     # 4 stages on 2 cores: workers 0 and 2 share core 0, 1 and 3 core 1 (worker_cores).
     # Sharing only its own core, a pass never runs faster than sharing them all
@@ -425,6 +482,7 @@ def test_calibrate_measures_caches_and_leaves_the_model_as_it_was(tmp_path):
     assert len(t.graph_walk) == len(t.weight_calls) == 2 and min(t.graph_walk) >= 0.0
     assert t.weight_calls == [1, 1]     # each block: Linear and tanh, one parameter group
     assert sorted(t.lock_share) == ["backward", "forward", "input_grad", "weight_grad"]
+    assert sorted(t.held) == ["backward", "forward"] and all(v > 0 for v in t.held.values())
     assert all(len(v) == 2 and all(0.0 <= g <= 1.0 for g in v) for v in t.lock_share.values())
     assert not [th for th in threading.enumerate() if th.name.startswith("ipukit-calibrate")]
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())

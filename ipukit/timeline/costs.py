@@ -95,6 +95,11 @@ WAITED_NOTE = ("a pass is modeled at its cost back to back, as the calibration t
                "leaves out")
 
 
+HELD_NOTE = ("a pass that runs while other micro-batches' activations are held on its worker "
+             "is modeled at the calibrated stretch of such passes ({f:.2f}× a forward, "
+             "{b:.2f}× a backward), each stage's passes at their mean")
+
+
 @dataclass
 class CostTable:
     """What each part of a call costs on one machine and device, in seconds."""
@@ -157,6 +162,11 @@ class CostTable:
     #: stage spent 210 µs a backward after its span, its one-block stages 60-80 µs). None:
     #: not measured (``per_pass`` alone)
     release: Optional[List[float]] = None
+    #: per pass kind ("forward", "backward"), how many times slower a pass runs while other
+    #: micro-batches' activations are held on its stage (:func:`ipukit.calibrate.held_stretch`:
+    #: the blocks are timed one micro-batch at a time). None: not measured (every pass at
+    #: its cost one at a time)
+    held: Optional[Dict[str, float]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -322,6 +332,46 @@ def even_split(blocks: Sequence[str], stages: int) -> List[List[str]]:
     return [list(blocks[edges[i]:edges[i + 1]]) for i in range(stages)]
 
 
+def held_shares(lanes, num_stages: int) -> Dict[str, List[float]]:
+    """Per pass kind and stage, the share of the stage's passes that run while other
+    activations are held on its worker: a forward after forwards (of any of the worker's
+    stages) whose backwards have not run, a backward (or ``I``, or ``W``) while another is
+    held besides its own. A stage's micro-batch is held from its forward to its last
+    backward action (its ``B``, or its ``W``); the count starts afresh each iteration. Read
+    off the lanes' order alone: a worker runs its lane's passes in that order."""
+    deep = {k: [0] * num_stages for k in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)}
+    total = {k: [0] * num_stages for k in deep}
+    for lane in lanes:
+        held: Dict[int, int] = {}
+        for kind, s, _m, it in lane:
+            if kind not in deep:
+                continue
+            key = it
+            here = held.get(key, 0)
+            others = here if kind == FORWARD else here - 1
+            total[kind][s] += 1
+            deep[kind][s] += others > 0
+            if kind == FORWARD:
+                held[key] = here + 1
+            elif kind in (BACKWARD, WEIGHT_GRAD):
+                held[key] = here - 1
+    return {k: [d / t if t else 0.0 for d, t in zip(deep[k], total[k])] for k in deep}
+
+
+def _with_held(costs: Dict[str, List[float]], held: Dict[str, float],
+               shares: Dict[str, List[float]], pass_cost: float) -> Dict[str, List[float]]:
+    """Each stage's pass costs with the held stretch of :attr:`CostTable.held` for the
+    share of its passes that run with other micro-batches held (the pass's fixed cost,
+    ipukit's bookkeeping, is not stretched): a stage's passes are modeled at their mean."""
+    out = dict(costs)
+    for kind, by in ((FORWARD, "forward"), (BACKWARD, "backward"),
+                     (INPUT_GRAD, "backward"), (WEIGHT_GRAD, "backward")):
+        f = held.get(by, 1.0)
+        out[kind] = [pass_cost + max(0.0, c - pass_cost) * (1 + (f - 1) * share)
+                     for c, share in zip(costs[kind], shares[kind])]
+    return out
+
+
 def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]],
                micro_batches: int, iterations: int = 1, replicas: int = 1,
                stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
@@ -369,6 +419,11 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         w_cost = [(b - table.per_pass - f) * w + table.per_pass + f
                   for b, w, f in zip(bwd, share, freed)]
     costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}
+    notes: List[str] = []
+    if table.held and training and not fused:
+        costs = _with_held(costs, table.held, held_shares(schedule.lanes, N), pass_cost)
+        notes.append(HELD_NOTE.format(f=table.held.get("forward", 1.0),
+                                      b=table.held.get("backward", 1.0)))
     # a hand-off is one worker waking another: stages a single worker runs in turn (a
     # sharded call's, or a looped schedule's on one IPU) pass their tensors straight on
     crosses = [s > 0 and lane_of[s - 1] != lane_of[s] for s in range(N)]
@@ -377,7 +432,6 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
                             for s in range(N)]}
     before = table.host_before + (table.state_copy if training else 0.0)
     start = before
-    notes: List[str] = []
     in_turn = None
     if cores is None and table.concurrency and concurrent:
         # k passes at once share the CPU at the calibrated rate of k concurrent passes
