@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 import ipukit  # noqa: E402
 from ipukit.balance import discover_blocks  # noqa: E402
-from ipukit.calibrate import calibrate, even_split, model_call  # noqa: E402
+from ipukit.calibrate import CostTable, calibrate, even_split, model_call  # noqa: E402
 from ipukit.schedules import placement  # noqa: E402
 from ipukit.timeline.simulate import available_cores  # noqa: E402
 
@@ -119,7 +119,7 @@ def _busy(tl) -> List[float]:
 
 def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
         rounds: int = 3, smoke: bool = False, per_row: bool = True, quiet: bool = False,
-        retries: int = 2, kinds: Optional[List[str]] = None) -> Dict:
+        retries: int = 2, kinds: Optional[List[str]] = None, bracket: bool = False) -> Dict:
     """Measure every configuration in ``rounds`` rounds, calibrating the model afresh right
     before each row's calls (``per_row``, the default; else once per round, first): each
     round builds every configuration's model afresh, warms it up and
@@ -142,6 +142,12 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
     the run before it without (the speed moved within a row's seconds, not only between
     them).
 
+    With ``bracket`` each round is calibrated again right after its calls, and modeled from
+    the two tables' mean (:meth:`CostTable.mean`), centred on the calls in time: on this VM
+    the same calls' passes ran 0.72-1.11×, 1.25-1.66× and 0.85-0.96× the costs of tables
+    calibrated seconds before them, three rounds in one process; each table alone is also
+    modeled (``bracketed_ms``: before, after).
+
     ``kinds`` keeps only those schedules' rows (``"sharded"``, ``"gpipe"``, ...), so one
     table can be measured in parts side by side on separate cores and joined with
     :func:`merge` (``benchmarks/cpu_pairs.sh``)."""
@@ -157,6 +163,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
         modeled: List[list] = [[] for _ in chosen]
         unheld: List[list] = [[] for _ in chosen]    # the same model without table.held
         helds: List[list] = [[] for _ in chosen]     # each round's table.held
+        bracketed: List[list] = [[] for _ in chosen]  # (before, after) modeled ms, bracket
         loads: List[List[float]] = [[] for _ in chosen]
         seconds: List[float] = []
         stretches: List[list] = [[] for _ in chosen]
@@ -199,6 +206,16 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                             attempt == attempts - 1:
                         break
                     retried[i].append((at_calibration[1], after[1]))
+                if bracket:    # calibrated again right after the calls: model from the mean
+                    t0 = time.perf_counter()
+                    again = calibrate(net, (x, y), blocks,
+                                      optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4),
+                                      cache=False)
+                    seconds.append(time.perf_counter() - t0)
+                    bracketed[i].append(_model_ms(table, again, kind, stages, ga, di, ipus, n))
+                    table = CostTable.mean([table, again])
+                    tl_model = model_call(table, kind, stages, ga, iterations=di,
+                                          stage_ipus=ipus, samples=n)
                 modeled[i].append(tl_model)
                 unheld[i].append(model_call(dataclasses.replace(table, held=None), kind,
                                             stages, ga, iterations=di, stage_ipus=ipus,
@@ -248,6 +265,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                          "ratio_unheld": statistics.median(
                              u / w for u, w in zip(unheld[i], per_round)),
                          "held": helds[i],
+                         "bracketed_ms": bracketed[i],
                          "model_vs_replay": statistics.median(
                              m.wall_time / q for m, q in zip(modeled[i], replays)),
                          "replay_vs_measured": statistics.median(
@@ -272,7 +290,7 @@ def run(models=("convnet", "vit"), ga: int = 8, di: int = 2, calls: int = 3,
                   f"{rows[-1]['modeled_ms']:8.1f} ms  ratio {ratio:.2f} (rounds "
                   f"{', '.join(f'{q:.2f}' for q in ratios)})", flush=True)
     return {"tables": tables, "rows": rows, "ga": ga, "di": di, "calls": calls,
-            "quiet": quiet,
+            "quiet": quiet, "bracket": bracket,
             "rounds": rounds, "per_row": per_row, "cores": available_cores(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "load": os.getloadavg(), "device": _device_name(),
             "cpu": _cpu_name(), "affinity": sorted(os.sched_getaffinity(0))
@@ -458,6 +476,33 @@ def path_split(modeled, timelines, calls: int) -> Dict:
 WAITED_IDLE = 150e-6
 
 
+def _model_ms(before, after, kind, stages, ga, di, ipus, n) -> Tuple[float, float]:
+    return tuple(model_call(t, kind, stages, ga, iterations=di, stage_ipus=ipus,
+                            samples=n).wall_time * 1e3 for t in (before, after))
+
+
+def _bracket_summary(rows: List[Dict]) -> str:
+    """With ``--bracket``: the rows modeled from the table before the calls alone, from the
+    one after alone, and from their mean (the row's ratio), each against the same calls; and
+    how far the two tables' models lay apart."""
+    rows = [r for r in rows if r.get("bracketed_ms") and r.get("round_ms")]
+    if not rows:
+        return ""
+
+    def ratios(side: int) -> List[float]:
+        return [statistics.median(b[side] / m for b, m in zip(r["bracketed_ms"], r["round_ms"]))
+                for r in rows]
+
+    def inside(values) -> int:
+        return sum(abs(v - 1) <= 0.15 for v in values)
+    apart = statistics.median(abs(b[1] / b[0] - 1) for r in rows for b in r["bracketed_ms"])
+    return (f" Bracketed: modeled from the table before the calls alone, {inside(ratios(0))} "
+            f"of {len(rows)} rows within ±15 %; from the one after alone, "
+            f"{inside(ratios(1))}; from their mean, {inside(r['ratio'] for r in rows)}. The two "
+            f"tables' models of one round lay a median {apart:.0%} apart (calibrated "
+            "seconds before and after the same calls).")
+
+
 def _held(table: Dict) -> str:
     held = table.get("held")
     return (f", a pass with other micro-batches held {held['forward']:.2f}× (forward), "
@@ -549,7 +594,9 @@ def report(result: Dict) -> str:
              f"{threads} intra-op thread{'s' * (threads != 1)} on the calling thread, torch "
              f"{result['torch']}, GA {result['ga']}, DI {result['di']}; measured: the median of "
              f"{rounds} rounds × {result['calls']} calls, each round a freshly built model; "
-             + ("each row calibrated afresh right before its calls and modeled from that table"
+             + ("each row calibrated afresh right before its calls and again right after "
+                "them, and modeled from the two tables' mean" if result.get("bracket") else
+                "each row calibrated afresh right before its calls and modeled from that table"
                 if result.get("per_row") else
                 "each round calibrates afresh and models from its own table")
              + "; model ÷ measured: "
@@ -608,7 +655,8 @@ def report(result: Dict) -> str:
               "ran far longer than their median (a worker that waited out a time slice for a "
               "core, with more workers than cores), and the schedule's critical path paid for "
               "them, which a model of typical passes shared fairly over the cores leaves out.",
-              "", _path_summary(result["rows"]) + _held_summary(result["rows"]), ""]
+              "", _path_summary(result["rows"]) + _held_summary(result["rows"])
+              + _bracket_summary(result["rows"]), ""]
     outside = [r for r in result["rows"] if r not in both]
     if outside:
         lines += ["Rows outside a goal, and what the model leaves out for them:", ""]
@@ -939,6 +987,7 @@ def _each_in_its_own_process(models, args) -> Dict:
                    "--threads", str(args.threads), "--retries", str(args.retries)] + (
                        [] if args.per_row else ["--once-per-round"]) + (
                        ["--quiet"] if args.quiet else []) + (
+                       ["--bracket"] if args.bracket else []) + (
                        ["--kinds", args.kinds] if args.kinds else [])
             if args.smoke:
                 cmd.append("--smoke")
@@ -1038,6 +1087,9 @@ def main(argv=None) -> int:
                     help="join parts measured side by side into one table in --out")
     ap.add_argument("--pool", nargs="+", metavar="JSON", default=None,
                     help="print several tables' rounds pooled row by row (bias against noise)")
+    ap.add_argument("--bracket", action="store_true",
+                    help="calibrate each round again right after its calls and model from "
+                         "the two tables' mean")
     ap.add_argument("--same-process", action="store_true",
                     help="measure every model in this process (default: each in a fresh one)")
     args = ap.parse_args(argv)
@@ -1060,7 +1112,7 @@ def main(argv=None) -> int:
         result = run(models, calls=2 if args.smoke else args.calls,
                      rounds=1 if args.smoke else args.rounds, smoke=args.smoke,
                      per_row=args.per_row, quiet=args.quiet, retries=args.retries,
-                     kinds=kinds)
+                     kinds=kinds, bracket=args.bracket)
     write_result(args.out, "calibration", result, report(result))
     return 0
 

@@ -68,7 +68,7 @@ def test_help_prints_every_option():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for option in ("--smoke", "--out", "--threads", "--wait-idle", "--only"):
         assert option in proc.stdout
-    for module, options in (("calibration", ("--kinds", "--merge", "--quiet")),
+    for module, options in (("calibration", ("--kinds", "--merge", "--quiet", "--bracket")),
                             ("cpu_pairs", ("--replicas", "--pool")),
                             ("split_stage", ("--rounds", "--threads")),
                             ("cross_core", ("--rounds", "--smoke"))):
@@ -235,6 +235,34 @@ def test_calibration_sets_each_pipelined_rounds_ratio_beside_the_rate_of_two_pas
     assert "rose as much in 1 (their ratios' median 0.80, 1 outside ±15 %)" in text
     assert "held in 1 (their ratios' median 1.00, 0 outside ±15 %)" in text
     assert _pair_summary([{"kind": "gpipe", "round_ratios": [1.0]}]) == ""
+
+
+def test_calibration_bracket_models_each_table_alone_and_their_mean():
+    """--bracket: each round calibrated again after its calls; the summary counts the rows
+    modeled from each table alone and from their mean, and how far the two lay apart."""
+    from benchmarks.calibration import _bracket_summary
+
+    rows = [{"round_ms": [100.0, 100.0], "bracketed_ms": [(80.0, 120.0), (70.0, 105.0)],
+             "ratio": 1.0},
+            {"round_ms": [50.0], "bracketed_ms": [(50.0, 50.0)], "ratio": 1.0},
+            {"round_ms": [10.0], "ratio": 1.0}]             # not bracketed: left out
+    text = _bracket_summary(rows)
+    assert "before the calls alone, 1 of 2 rows within ±15 %" in text   # 0.75: out, 1.0
+    assert "after alone, 2; from their mean, 2" in text                 # 1.125 and 1.0
+    # apart: |120/80 − 1| = 50 %, |105/70 − 1| = 50 %, 0 %: median 50 %
+    assert "lay a median 50% apart" in text
+    assert _bracket_summary([{"round_ms": [1.0], "ratio": 1.0}]) == ""
+
+
+def test_calibration_bracketed_run_records_both_tables(tmp_path):
+    from benchmarks.calibration import run
+
+    result = run(models=("convnet",), calls=1, rounds=1, smoke=True, kinds=["gpipe"],
+                 bracket=True)
+    assert result["bracket"] is True
+    for row in result["rows"]:
+        (before, after), = row["bracketed_ms"]
+        assert before > 0 and after > 0 and row["modeled_ms"] > 0
 
 
 def test_calibration_report_gives_the_rounds_own_spread_measured_and_modeled():

@@ -336,6 +336,24 @@ def test_held_stretch_times_both_orders_on_a_copy():
     assert not [th for th in threading.enumerate() if th.name.startswith("ipukit-calibrate")]
 
 
+def test_the_mean_of_tables_averages_every_cost_and_keeps_the_counts():
+    a = table(concurrency=[1.0, 2.0], held={"forward": 1.0, "backward": 1.2},
+              on_worker={"forward": [1.0, 1.0, 1.0, 1.0], "backward": [2.0, 2.0, 2.0, 2.0],
+                         "input_grad": None, "weight_grad": None}, weight_calls=[1, 1, 1, 1])
+    b = dataclasses.replace(a, forward=[3.0, 4.0, 5.0, 6.0], per_pass=1.5, concurrency=[1.0, 1.0],
+                            held={"forward": 1.2, "backward": 1.0},
+                            on_worker=dict(a.on_worker, forward=[3.0, 3.0, 3.0, 3.0]))
+    m = CostTable.mean([a, b])
+    assert m.forward == [2.0, 3.0, 4.0, 5.0] and m.backward == a.backward
+    assert m.per_pass == 1.0 and m.concurrency == [1.0, 1.5]
+    assert m.held == pytest.approx({"forward": 1.1, "backward": 1.1})
+    assert m.on_worker["forward"] == [2.0] * 4 and m.on_worker["input_grad"] is None
+    assert m.cores == a.cores and m.weight_calls == [1, 1, 1, 1] and m.lock_share is None
+    assert CostTable.mean([a]) == a
+    with pytest.raises(ValueError, match="different blocks"):
+        CostTable.mean([a, dataclasses.replace(a, blocks=["x", "b", "c", "d"])])
+
+
 def test_a_table_saved_before_held_loads_without_it():
     data = table().to_dict()
     del data["held"]

@@ -178,6 +178,40 @@ class CostTable:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
+    @classmethod
+    def mean(cls, tables: Sequence["CostTable"]) -> "CostTable":
+        """The tables' mean, cost by cost (each number, each list's and each dict's entries):
+        tables of one model calibrated at different moments, e.g. before and after the calls
+        they predict, on a machine whose speed moves between them. Counts (``cores``,
+        ``micro_batch``, ``weight_calls``), the device and the notes are the first table's; a
+        part that any table lacks (None) is left out."""
+        if not tables:
+            raise ValueError("CostTable.mean: no tables")
+        first = tables[0]
+        if any(t.blocks != first.blocks for t in tables):
+            raise ValueError("CostTable.mean: the tables time different blocks")
+
+        def avg(values):
+            if any(v is None for v in values):
+                return None
+            v0 = values[0]
+            if isinstance(v0, bool):
+                return v0
+            if isinstance(v0, (int, float)):
+                return sum(values) / len(values)
+            if isinstance(v0, list):
+                if any(len(v) != len(v0) for v in values):
+                    return v0
+                return [avg([v[i] for v in values]) for i in range(len(v0))]
+            if isinstance(v0, dict):
+                return {k: avg([v.get(k) for v in values]) for k in v0}
+            return v0
+
+        data = [t.to_dict() for t in tables]
+        kept = ("blocks", "cores", "device", "micro_batch", "notes", "weight_calls")
+        return cls(**{k: (v if k in kept else avg([d[k] for d in data]))
+                      for k, v in data[0].items()})
+
     def stage_costs(self, stage_blocks: Sequence[Sequence[str]],
                     on_worker: bool = False, fused: bool = False,
                     chained: bool = False) -> Dict[str, List[float]]:
