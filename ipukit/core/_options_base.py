@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 from typing import Any, List, Sequence, Tuple
 
 from .errors import FrozenOptionsError, OptionsError, UnknownOptionError
@@ -39,9 +40,12 @@ class _OptionGroup:
         if init is None:
             return
 
-        def sealed_init(self, *args, __init=init, __cls=cls, **kw):
-            __init(self, *args, **kw)
-            if type(self) is __cls:
+        # functools.wraps keeps the class's own signature and docstring for help() and
+        # inspect.signature (``Options()``, not this wrapper's arguments).
+        @functools.wraps(init)
+        def sealed_init(self, *args, **kw):
+            init(self, *args, **kw)
+            if type(self) is cls:
                 object.__setattr__(self, "_sealed", True)
 
         cls.__init__ = sealed_init
@@ -80,8 +84,9 @@ class _OptionGroup:
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise UnknownOptionError(
-            f"{self._path} has no option {name!r}.{hint} See the README's option list "
-            "(PopTorch's names, plus ipukit's additions).")
+            f"{self._path} has no option {name!r}.{hint} See the Options page of "
+            "ipukit's documentation, docs/options.md (PopTorch's names, plus ipukit's "
+            "additions), or help(ipukit.Options).")
 
     def __setattr__(self, name: str, value: Any) -> None:
         prop = getattr(type(self), name, None)

@@ -6,7 +6,7 @@ from then on it is frozen and a setter raises :class:`~ipukit.errors.FrozenOptio
 compiler are accepted so PopTorch programs run unchanged; they have no effect
 here and are listed under ``"ignored"`` in :meth:`Options.toDict`.
 
-ipukit's own additions (documented in the README):
+ipukit's own additions (documented in docs/options.md):
 
 * :meth:`Options.pipelineSchedule` — ``"1F1B"`` (default), ``"GPipe"`` and the modern schedules;
 * :meth:`Options.deviceMapping` — which torch device each virtual IPU runs on;
@@ -285,13 +285,50 @@ class _DistributedOptions(_IgnoredGroup):
 
 
 class Options(_IgnoredGroup):
-    """The options of a model and its DataLoader, with PopTorch's setters.
+    """The options of a model and its DataLoader, with PopTorch's setters and names.
 
-    Every setter returns the options, so calls chain:
-    ``Options().deviceIterations(10).replicationFactor(2)``. The class holds the state,
-    the option groups, PopTorch's setters, ipukit's own setters, and the conversions
-    (clone, files, JSON, ``toDict``); each setter checks the options are not frozen,
-    validates, stores and returns ``self``.
+    Every setter returns the options, so calls chain::
+
+        opts = ipukit.Options().deviceIterations(10).replicationFactor(2)
+        opts.Training.gradientAccumulation(8)
+        model = ipukit.trainingModel(net, opts, optimizer=optimizer)
+
+    Options are frozen once handed to a model or a DataLoader; ``clone()`` gives a
+    modifiable copy. An unknown option is an error that suggests the closest name.
+
+    Option groups (attributes):
+
+    * ``opts.Training``: ``gradientAccumulation(n)``,
+      ``accumulationAndReplicationReductionType(ReductionType.Mean | Sum)``,
+      ``meanAccumulationAndReplicationReductionStrategy``.
+    * ``opts.TensorLocations``: ``setOptimizerLocation``, ``setWeightLocation``,
+      ``setActivationLocation``, ``setAccumulatorLocation`` with a
+      :class:`TensorLocationSettings` (``useOnChipStorage(False)`` keeps optimiser
+      state in host memory between steps).
+    * ``opts.Distributed``: the process id and count of a run under ``ipukit-run`` /
+      torchrun (``configureProcessId``, ``setEnvVarNames``, ``disable()``).
+    * ``opts.Precision``, ``opts.Jit`` and ``opts._Popart``: accepted, no effect.
+
+    PopTorch's setters: ``deviceIterations``, ``replicationFactor``, ``outputMode``,
+    ``setExecutionStrategy``, ``randomSeed``, ``connectionType``, ``broadcastBuffers``,
+    ``anchorTensor``, ``modelName``, ``logDir``; ``clone()``, ``toDict()``,
+    ``from_json()`` and ``loadFromFile()`` (PopTorch's config files).
+
+    ipukit's additions: ``pipelineSchedule`` (``"1F1B"``, ``"GPipe"``,
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBH1"``, ``"ZBV"``, ``"DualPipeV"``),
+    ``deviceMapping``, ``cpuThreadsPerIpu``, ``recordTimeline``, ``profileDir``,
+    ``trackMemory``, ``keepHostMemory``, ``stallTimeout``.
+
+    Accepted for compatibility with **no effect** (recorded under ``"ignored"`` in
+    ``toDict()``): ``enableExecutableCaching``, ``useIpuModel``, ``autoRoundNumIPUs``,
+    ``enableSyntheticData``, ``syncPattern``, ``useIpuId``, ``enableStableNorm``,
+    ``setAvailableMemoryProportion``, ``enableProfiling``, ``showCompilationProgressBar``,
+    ``logCycleCount``, ``useOfflineIpuTarget``, ``updatableNamedBuffers``,
+    ``maxRepeatLogs``, ``setExecutionStrategyPhased``, ``inputReplicaGrouping``,
+    ``relaxOptimizerAttributesChecks``, ``disableModuleNamescope``, ``enableProgressBar``,
+    ``useIpuModelVersion``, ``sourceLocationExcludes``, every ``Precision.*`` and
+    ``Jit.*`` setter, ``_Popart.set(...)``, ``Training.setAutomaticLossScaling``,
+    ``Training.setConvolutionDithering``, ``TensorLocations.numIOTiles``.
     """
 
     _path = "Options"
