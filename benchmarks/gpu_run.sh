@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (no network; its own Python with torch and Lightning): the GPU-marked
-# tests, the calibration table on CUDA, the one-GPU check, and the CPU calibration table on
-# 2-core sets of its host's idle cores, against the working tree.
+# tests, the calibration table on CUDA and the one-GPU check, against the working tree.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh                     # tests, check, cuda
-#   STEPS=cpu,tests,check OUT=/some/dir bash benchmarks/gpu_run.sh
-# Results in $OUT: machine.txt, tests.txt, gpu_check.txt, calibration_cuda.{md,json} (cuda),
-# cpu_pairs.log and cpu_pairs_N.{md,json} (cpu: benchmarks/cpu_pairs.py).
+#   STEPS=tests,check OUT=/some/dir bash benchmarks/gpu_run.sh
+# Results in $OUT: machine.txt, tests.txt, gpu_check.txt, calibration_cuda.{md,json} (cuda).
 set -u
 OUT=${OUT:-/tmp/ipukit-gpu}
 STEPS=${STEPS:-tests,check,cuda}
@@ -19,13 +17,6 @@ has() { [[ ",$STEPS," == *",$1,"* ]]; }
 } 2>&1 | tee "$OUT/machine.txt"
 for step in ${STEPS//,/ }; do
   case $step in
-    cpu)
-      echo "== CPU calibration table on 2-core sets"
-      timeout ${CPU_TIMEOUT:-330} $PY -m benchmarks.cpu_pairs --out /tmp/cpu_pairs \
-        > "$OUT/cpu_pairs.log" 2>&1
-      echo "exit $?"; grep -E "^\[|sets of|within ±15" "$OUT/cpu_pairs.log"
-      cat /tmp/cpu_pairs/r*.log >> "$OUT/cpu_pairs.log" 2>/dev/null
-      cp /tmp/cpu_pairs/cpu_pairs_*.md /tmp/cpu_pairs/cpu_pairs_*.json "$OUT"/ 2>/dev/null ;;
     tests)
       echo "== GPU-marked tests"
       timeout 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 \
