@@ -5,12 +5,7 @@ Stages split a model across virtual IPUs, pipelined and sharded execution
 run micro-batches through per-IPU workers, and every call records a
 per-IPU timeline (``model.getTimeline()``).
 """
-# ``ipukit.simulate`` is both a module (kept as an alias of ipukit.timeline.simulate) and,
-# as in earlier releases, the function below: the alias is loaded first so that a later
-# ``import ipukit.simulate`` does not rebind the package attribute to the module.
-from . import schedule as _schedule_module  # noqa: F401  (ipukit.schedule: the schedules)
-from . import simulate as _simulate_module  # noqa: F401
-from .core import errors, optim
+from . import enums, ops, optim, options, profiling
 from .core.blocks import BeginBlock, Block, BlockFunction, module_repr, removeBlocks
 from .core.enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
                          HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,

@@ -1,6 +1,4 @@
-"""Alias: ``ipukit.optim`` (PopTorch's ``poptorch.optim``) is :mod:`ipukit.core.optim`."""
-import sys
+"""PopTorch's ``poptorch.optim``: the optimisers (from :mod:`ipukit.core.optim`)."""
+from .core.optim import LAMB, SGD, Adam, AdamW, Optimizer, RMSprop, VariableAttributes
 
-from .core import optim as _module
-
-sys.modules[__name__] = _module
+__all__ = ["Adam", "AdamW", "LAMB", "Optimizer", "RMSprop", "SGD", "VariableAttributes"]

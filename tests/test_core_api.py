@@ -251,7 +251,7 @@ def test_an_incomplete_last_batch_is_refused_as_a_batch_size_error():
     for (x,) in full:
         model(x)
     assert last.shape[0] == 100 - 2 * 48
-    with pytest.raises(ipukit.errors.BatchSizeError, match=r"batch dimension \(4\) must be a multiple"):
+    with pytest.raises(ipukit.core.errors.BatchSizeError, match=r"batch dimension \(4\) must be a multiple"):
         model(last)
 
 

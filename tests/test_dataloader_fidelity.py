@@ -321,5 +321,5 @@ def test_rebatching_batches_without_one_batch_dimension_is_a_data_error():
                                torch.utils.data.TensorDataset(torch.zeros(4, 1)),
                                batch_size=1, mode=Mode.AsyncRebatched,
                                collate_fn=lambda items: (torch.zeros(len(items)), torch.zeros(5)))
-    with pytest.raises(ipukit.errors.DataError, match="share one batch dimension"):
+    with pytest.raises(ipukit.core.errors.DataError, match="share one batch dimension"):
         list(loader)

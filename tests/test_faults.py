@@ -113,7 +113,7 @@ def test_a_failing_step_restores_everything(di, strategy, replicas, how):
 
 def test_a_second_ctrl_c_while_stopping_leaves_no_worker_running(monkeypatch):
     """Ctrl-C twice: the call returns only after every worker ended; buffers are restored."""
-    from ipukit import workers
+    from ipukit.runtime import workers
 
     torch.manual_seed(0)
     model = BNStack()

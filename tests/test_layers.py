@@ -16,6 +16,7 @@ import textwrap
 from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ipukit"
 
@@ -51,18 +52,15 @@ SHARED_PACKAGE = {"ipukit.model": "front door", "ipukit.data": "front door",
 #: and the dashboard are written as user code is.
 API_FACE = 6.5
 
-#: Modules kept so that older import paths work; nothing inside ipukit imports them
-#: (except ``ipukit/__init__``, which loads the ``simulate`` alias first, see there).
-ALIASES = {"ipukit.schedule", "ipukit.simulate", "ipukit.compare", "ipukit.memory",
-           "ipukit.plots", "ipukit.workers", "ipukit.update", "ipukit.optim", "ipukit.errors",
-           "ipukit.distributed.example"}
+#: PopTorch's public modules (``poptorch.enums`` ...): thin re-exports that belong to the API
+#: face with ``ipukit/__init__``, above every floor.
+FACE = {"ipukit", "ipukit.enums", "ipukit.ops", "ipukit.optim", "ipukit.options",
+        "ipukit.profiling", "ipukit.testing"}
 
-#: Upward imports allowed, each lazy (inside a function) and each for a reason:
-EXCEPTIONS = {
-    # Timeline.figure() draws itself with the viz extra; the timeline never needs plotly
-    # otherwise, and viz reads timelines (so this is the one edge back down to up).
-    ("ipukit.timeline.events", "ipukit.viz.plots"),
-}
+#: Import paths that existed once and are gone (they were no PopTorch module).
+REMOVED = ("ipukit.schedule", "ipukit.simulate", "ipukit.compare", "ipukit.memory",
+           "ipukit.plots", "ipukit.workers", "ipukit.update", "ipukit.errors",
+           "ipukit.distributed.example")
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -140,15 +138,10 @@ def violations(edges: Dict[str, Set[str]]) -> List[str]:
     bad = []
     for src, targets in sorted(edges.items()):
         for dst in sorted(targets):
-            if (src, dst) in EXCEPTIONS:
-                continue
-            if dst in ALIASES and src != "ipukit":
-                bad.append(f"{src} imports the alias {dst} (import its real home)")
-                continue
-            if src == "ipukit" or src in ALIASES:
+            if src in FACE:
                 continue
             fs, fd = floor_of(src), floor_of(dst)
-            if dst == "ipukit":   # the API face: what user code (examples, widgets) imports
+            if dst in FACE:   # the API face: what user code (examples, widgets) imports
                 fd = (API_FACE, "ipukit")
             if fs is None or fd is None:
                 bad.append(f"{src} -> {dst}: module without a floor")
@@ -161,7 +154,7 @@ def violations(edges: Dict[str, Set[str]]) -> List[str]:
 
 def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
-    edges = {s: {d for d in ds if (s, d) not in EXCEPTIONS and d in edges} for s, ds in edges.items()}
+    edges = {s: {d for d in ds if d in edges} for s, ds in edges.items()}
     index: Dict[str, int] = {}
     low: Dict[str, int] = {}
     stack: List[str] = []
@@ -199,7 +192,7 @@ def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
 
 
 def test_every_module_has_a_floor():
-    missing = [m for m in all_modules() if m != "ipukit" and m not in ALIASES and floor_of(m) is None]
+    missing = [m for m in all_modules() if m not in FACE and floor_of(m) is None]
     assert not missing
 
 
@@ -268,20 +261,46 @@ def test_no_module_reads_another_modules_private_name():
     assert private_reads(all_modules()) == []
 
 
-def test_aliases_are_their_modules():
-    for alias in sorted(ALIASES - {"ipukit.distributed.example"}):
-        if alias == "ipukit.plots" and importlib.util.find_spec("plotly") is None:
-            continue   # the viz extra is not installed: the alias raises MissingExtraError
-        module = importlib.import_module(alias)
-        assert module.__name__ != alias, alias
+def test_poptorch_module_paths_import():
+    """``poptorch.<module>`` imports as ``ipukit.<module>`` and holds the same names."""
+    import ipukit
+    from ipukit.enums import CommGroupType, OutputMode
+    from ipukit.ops import BeginBlock, identity_loss, recomputationCheckpoint
+    from ipukit.optim import SGD, AdamW
+    from ipukit.options import (Options, PipelinedExecution, Stage, TensorLocationSettings,
+                                _TrainingOptions)
+    from ipukit.profiling import Channel
+    from ipukit.testing import allclose
+
+    assert OutputMode is ipukit.OutputMode and ipukit.enums.CommGroupType is CommGroupType
+    assert BeginBlock is ipukit.BeginBlock and identity_loss is ipukit.identity_loss
+    assert recomputationCheckpoint is ipukit.ops.recomputationCheckpoint
+    assert SGD is ipukit.optim.SGD and issubclass(AdamW, ipukit.optim.Optimizer)
+    assert Options is ipukit.Options and TensorLocationSettings is ipukit.TensorLocationSettings
+    assert Stage is ipukit.Stage and PipelinedExecution is ipukit.PipelinedExecution
+    assert isinstance(Options().Training, _TrainingOptions)
+    opts = Options().outputMode(ipukit.enums.OutputMode.All)   # PopTorch's own tests' spelling
+    assert opts.output_mode is OutputMode.All
+    channel = Channel("MyApp")
+    with channel.tracepoint("TimeThis"):
+        pass
+    obj = object()
+    assert channel.instrument(obj, "method") is obj
+    a, b = torch.ones(2), torch.zeros(2)
+    assert allclose((a, [b]), (a.clone(), [b + 1e-9]))
+    assert not allclose((a, [b]), (a, [a])) and not allclose((a,), [a]) and not allclose([a], [a, a])
+
+
+@pytest.mark.parametrize("name", REMOVED)
+def test_paths_that_were_not_poptorch_modules_are_gone(name):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(name)
+
+
+def test_simulate_is_the_function():
     import ipukit
 
-    assert callable(ipukit.simulate)   # the function, not the alias module
-    if importlib.util.find_spec("torchvision") is None:
-        return   # the examples extra is not installed
-    from ipukit.distributed import example
-
-    assert example.__name__ == "ipukit.examples.distributed"
+    assert callable(ipukit.simulate)
 
 
 HEAVY = ("plotly", "tqdm", "ipywidgets", "torchvision", "pytorch_lightning", "lightning",

@@ -146,6 +146,7 @@ def test_profile_writes_measured_beside_modeled(tmp_path):
     model = pipelined(ga=5)
     x, y = batch(5 * 8)
     model(x, y)
+    from ipukit.viz.plots import memory_timeline_figure
     from ipukit.viz.profile import write_profile
 
     with track_memory():
@@ -155,7 +156,7 @@ def test_profile_writes_measured_beside_modeled(tmp_path):
     assert "stages" in data and len(data["measured"]) == 3
     assert [r["ipu"] for r in data["measured_vs_modeled"]] == [0, 1, 2]
     assert "memory IPU 0" in open(paths["trace"]).read()
-    fig = model.getTimeline().memory_figure()
+    fig = memory_timeline_figure(model.getTimeline())
     assert any(getattr(t, "name", "") == "IPU 0 memory" for t in fig.data)
 
 

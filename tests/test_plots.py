@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import ipukit
-from ipukit import Timeline, plots
+from ipukit import Timeline
+from ipukit.viz import plots
 from ipukit.viz.memory import MemoryReport
 
 
@@ -55,8 +56,8 @@ def test_rows_are_virtual_ipus_then_host_and_the_title_says_modeled_or_measured(
     assert fig.layout.yaxis.autorange == "reversed"         # IPU 0 on top
     assert "My run" in fig.layout.title.text and "modeled" in fig.layout.title.text
     measured = Timeline(tl.events, modeled=False, meta=tl.meta)
-    assert "measured" in measured.figure().layout.title.text
-    assert "modeled" not in measured.figure().layout.title.text
+    assert "measured" in plots.timeline_figure(measured).layout.title.text
+    assert "modeled" not in plots.timeline_figure(measured).layout.title.text
 
 
 def test_idle_gaps_stay_empty():
@@ -207,7 +208,7 @@ def test_a_measured_timeline_draws(tmp_path):
     net = SleepStack(ms=(1.0, 1.0))
     model = ipukit.trainingModel(net, pipelined(2, gradientAccumulation=3))
     model(torch.randn(6, 8), torch.randn(6, 8))
-    fig = model.getTimeline().figure()
+    fig = plots.timeline_figure(model.getTimeline())
     assert len(by_name(fig)["forward"].x) == 6 and "measured" in fig.layout.title.text
     go.FigureWidget(fig)
 

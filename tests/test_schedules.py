@@ -233,7 +233,7 @@ def test_weights_equal_the_plain_loop(schedule, ipus, ga, di, r):
     assert max_weight_diff(model, ref) < 1e-5
     assert max_weight_diff(model, StackNet(len(ipus), ipus=ipus)) > 1e-3  # it trained
     program = tm.program
-    assert program.schedule.kind == ipukit.schedule.kind_of(schedule)
+    assert program.schedule.kind == ipukit.schedules.kind_of(schedule)
     assert len(program.partition.stages) == len(ipus)
     assert [st.ipu for st in program.partition.stages] == ipus
     tm.destroy()
@@ -254,7 +254,7 @@ def test_each_worker_runs_its_lane_in_schedule_order(schedule, ipus, ga):
                for e in sorted(tl.events, key=lambda e: e.start)
                if e.ipu == ipu and e.kind in letter]
         assert got == wanted
-    if ipukit.schedule.kind_of(schedule) in SPLIT_BACKWARD:
+    if ipukit.schedules.kind_of(schedule) in SPLIT_BACKWARD:
         kinds = {e.kind for e in tl.events}
         assert {"input-grad", "weight-grad"} <= kinds
     tm.destroy()
@@ -403,14 +403,14 @@ def test_the_input_half_runs_no_python_inside_the_autograd_engine():
 
 
 def test_options_and_compile_errors_name_the_fix():
-    with pytest.raises(ipukit.errors.OptionsError, match="DualPipeV"):
+    with pytest.raises(ipukit.core.errors.OptionsError, match="DualPipeV"):
         ipukit.Options().pipelineSchedule("zero-bubble-please")
     model = StackNet(4, ipus=[0, 1, 2, 3], with_ipu_ids=False)
     opts = _options("ZBV", [0, 1, 2, 3], 8)
     tm = ipukit.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = make_data(16)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ipukit.errors.PipelineConfigError, match=r"Stage\(\"b0\"\)\.ipu\(0\)"):
+    with pytest.raises(ipukit.core.errors.PipelineConfigError, match=r"Stage\(\"b0\"\)\.ipu\(0\)"):
         tm(x, y)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     tm.destroy()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ipukit
-from ipukit import plots
+from ipukit.viz import plots
 from ipukit.examples import mnist, vit as vit_example
 from ipukit.examples.mnist import BLOCKS, Network, TrainingModelWithLoss
 from ipukit.widgets import logic

@@ -1,7 +1,7 @@
 """A training script that runs as processes or on threads, unchanged: the tutorial's MNIST network.
 
-    ipukit-run -n 2 -m ipukit.distributed.example --out result.pkl     # 2 stages, 2 processes
-    python -m ipukit.distributed.example --out result.pkl              # the same on threads
+    ipukit-run -n 2 -m ipukit.examples.distributed --out result.pkl     # 2 stages, 2 processes
+    python -m ipukit.examples.distributed --out result.pkl              # the same on threads
 
 The four blocks of :class:`ipukit.examples.mnist.Network` are split over two
 virtual IPUs (``--split 0,0,1,1``: B1 B2 | B3 B4), trained with AdamW under the
@@ -33,7 +33,7 @@ from ipukit.examples.mnist import Network, TrainingModelWithLoss, accuracy, stra
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ipukit.distributed.example",
+    p = argparse.ArgumentParser(prog="python -m ipukit.examples.distributed",
                                 description="Train the tutorial's MNIST network, as processes "
                                 "under ipukit-run or on threads.")
     add = p.add_argument

@@ -258,18 +258,6 @@ class Timeline:
     def to_records(self) -> List[Dict[str, Any]]:
         return [e._asdict() for e in self.events]
 
-    def figure(self, **kwargs):
-        """A plotly Gantt chart of the timeline (see :func:`ipukit.plots.timeline_figure`)."""
-        from ..viz.plots import timeline_figure
-
-        return timeline_figure(self, **kwargs)
-
-    def memory_figure(self, **kwargs):
-        """The schedule with each IPU's measured memory under it (:func:`ipukit.plots.memory_timeline_figure`)."""
-        from ..viz.plots import memory_timeline_figure
-
-        return memory_timeline_figure(self, **kwargs)
-
     @staticmethod
     def concat(timelines: Iterable["Timeline"]) -> "Timeline":
         """Join consecutive calls' timelines on one time axis.

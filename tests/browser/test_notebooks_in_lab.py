@@ -522,7 +522,7 @@ def test_explorer_controls_round_trip(notebooks):
     the kernel printed, so a pass means: browser event -> kernel callback -> new modeled view
     -> FigureWidget update -> plotly.js redraw, with the numbers the model gives.
     """
-    from ipukit import plots as ipuplots
+    from ipukit.viz import plots as ipuplots
     from ipukit.widgets.logic import bar_values
 
     nb = notebooks.run(EXPLORER)
@@ -698,7 +698,7 @@ def test_explorer_schedule_selector_and_comparison(notebooks):
     computes here (ipukit.simulate on the kernel's stages, batching and costs), and the modeled
     timeline of the selected one draws its passes (I and W for the zero-bubble schedules) on
     the IPUs its placement uses."""
-    from ipukit import plots as ipuplots
+    from ipukit.viz import plots as ipuplots
     from ipukit.schedules.generators import placement
     from ipukit.widgets import comparison, logic
 

@@ -1,0 +1,18 @@
+"""PopTorch's ``poptorch.ops``: the operations used inside a model, and the block annotations.
+
+As in PopTorch, the module holds the in-model operations (:mod:`ipukit.core.ops`) and
+``Block``, ``BeginBlock``, ``BlockFunction`` and ``removeBlocks``
+(:mod:`ipukit.core.blocks`). PopTorch's ``fps`` and ``nearest`` (point-cloud ops) have no
+ipukit equivalent.
+"""
+from .core.blocks import BeginBlock, Block, BlockFunction, removeBlocks
+from .core.ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,
+                       dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor,
+                       isRunningOnIpu, nop, recomputationCheckpoint, serializedMatMul,
+                       set_available_memory, set_overlap_for_input, set_overlap_for_output)
+
+__all__ = ["BeginBlock", "Block", "BlockFunction", "CPU", "MultiConv", "NameScope", "cond",
+           "ctc_beam_search_decoder", "custom_op", "dynamic_slice", "dynamic_update",
+           "for_loop", "identity_loss", "ipu_print_tensor", "isRunningOnIpu", "nop",
+           "recomputationCheckpoint", "removeBlocks", "serializedMatMul",
+           "set_available_memory", "set_overlap_for_input", "set_overlap_for_output"]
