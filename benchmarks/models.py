@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import ipukit
 from ipukit.examples.mnist import Network, TrainingModelWithLoss, strategy
+from ipukit.examples.recurrent import StagedNet
 
 from .common import BATCH
 
@@ -33,21 +34,8 @@ def balanced_sequential(stages: int, width: int, layers: int, seed: int = 0) -> 
     return nn.Sequential(*[stage_layers(width, layers) for _ in range(stages)])
 
 
-class BalancedNet(nn.Module):
-    """The balanced stages, one Block (and virtual IPU) each; the loss in the last block."""
-
-    def __init__(self, body: nn.Sequential):
-        super().__init__()
-        self.body = body
-
-    def forward(self, x, labels):
-        last = len(self.body) - 1
-        for i, stage in enumerate(self.body):
-            with ipukit.Block(f"s{i}", ipu_id=i):
-                x = stage(x)
-                if i == last:
-                    loss = F.cross_entropy(x, labels)
-        return x, loss
+#: The balanced stages, one Block (and virtual IPU) each; the loss in the last block.
+BalancedNet = StagedNet
 
 
 def balanced_data(width: int, samples: int, seed: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
