@@ -287,7 +287,7 @@ class _DistributedOptions(_IgnoredGroup):
 class Options(_IgnoredGroup):
     """The options of a model and its DataLoader, with PopTorch's setters and names.
 
-    Every setter returns the options, so calls chain::
+    Every setter returns the options, so calls chain:
 
         opts = ipukit.Options().deviceIterations(10).replicationFactor(2)
         opts.Training.gradientAccumulation(8)
@@ -303,7 +303,7 @@ class Options(_IgnoredGroup):
       ``meanAccumulationAndReplicationReductionStrategy``.
     * ``opts.TensorLocations``: ``setOptimizerLocation``, ``setWeightLocation``,
       ``setActivationLocation``, ``setAccumulatorLocation`` with a
-      :class:`TensorLocationSettings` (``useOnChipStorage(False)`` keeps optimiser
+      ``TensorLocationSettings`` (``useOnChipStorage(False)`` keeps optimiser
       state in host memory between steps).
     * ``opts.Distributed``: the process id and count of a run under ``ipukit-run`` /
       torchrun (``configureProcessId``, ``setEnvVarNames``, ``disable()``).
