@@ -151,6 +151,9 @@ class _FlatModel(torch.nn.Module):
         return self._forward(*tensors)
 
     def _forward(self, *tensors):
+        recorder = _blocks.active_recorder()
+        if recorder is not None:
+            recorder.model_started = True
         if self._positional:
             out = self.model(*tensors)
         else:
@@ -171,7 +174,8 @@ class _FlatModel(torch.nn.Module):
 
 
 class _OutsideBlockWatch(TorchFunctionMode):
-    """Notes tensor ops that run after a Block closed, outside any block."""
+    """Notes tensor ops that run outside any block: before the first (they run on IPU 0)
+    or after a Block closed (refused when the model has several stages)."""
 
     def __init__(self, recorder: _blocks.BlockRecorder) -> None:
         super().__init__()
@@ -180,6 +184,8 @@ class _OutsideBlockWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         rec = self.recorder
+        if rec.model_started and not rec.segments and isinstance(result, torch.Tensor):
+            rec.ops_before = True
         if rec.closed_a_block and not rec.in_block and isinstance(result, torch.Tensor):
             rec.ops_outside.append(getattr(func, "__name__", str(func)))
         return result
@@ -361,6 +367,8 @@ def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
             "ipukit cannot tell which stage they belong to. Put them inside a "
             "`with ipukit.Block(...)` scope, or use ipukit.Block.start(...) / "
             "ipukit.BeginBlock(...), which stay open until the next block begins.")
+    if recorder.segments and recorder.segments[0].implicit:
+        begins = [("(the layers before the first block)", 0)] + list(begins)
     if not isinstance(strategy, ShardedExecution):
         _check_contiguous_stages(strategy, begins)
         highest = -1

@@ -34,6 +34,8 @@ class Segment:
     blocks: List[str] = field(default_factory=list)
     stage_ids: List[int] = field(default_factory=list)
     recompute: bool = False  # a module in it asked for recomputation
+    #: the layers that ran before the first block: PopTorch placed them on IPU 0
+    implicit: bool = False
 
 
 class BlockRecorder:
@@ -51,6 +53,10 @@ class BlockRecorder:
         self.in_block = False
         self.closed_a_block = False
         self.ops_outside: List[str] = []
+        #: the model's forward has begun (what ran before was the tracer's own work)
+        self.model_started = False
+        #: tensor operations of the model ran before its first block began (on IPU 0)
+        self.ops_before = False
         #: operations after the last block closed stay in it (Lightning's loss in
         #: ``training_step``, after ``forward``'s blocks); otherwise they are an error
         self.keep_last_block_open = False
@@ -60,6 +66,11 @@ class BlockRecorder:
             user_id = self.assigner.next_auto_id()
         stage_id, ipu = self.assigner.assign(str(user_id), ipu_id)
         last = self.segments[-1] if self.segments else None
+        if last is None and self.ops_before and ipu != 0:
+            # PopTorch: "by default layers are allocated onto IPU 0". What ran before the
+            # first block is an implicit block there, pipeline stage 0.
+            last = Segment(0, stage_ids=[0], implicit=True)
+            self.segments.append(last)
         if last is None or last.ipu != ipu or (self.split_stages and stage_id not in last.stage_ids):
             if last is not None:
                 pipe_split()
