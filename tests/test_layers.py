@@ -2,7 +2,8 @@
 import cycle exists.
 
 The AST of every module is read (imports inside functions count; only ``if TYPE_CHECKING:``
-blocks are exempt). The floor table below is the one in the README's package map.
+blocks are exempt). The floor table below is the one on the package map page,
+docs/package-map.md.
 """
 from __future__ import annotations
 

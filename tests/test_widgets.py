@@ -824,16 +824,18 @@ def test_a_session_made_while_not_evaluating_evaluates_later():
         ex.close()
 
 
-def test_the_readme_table_of_schedules_is_the_simulators():
-    """README "Bubble and memory of every schedule": regenerate with
+def test_the_docs_table_of_schedules_is_the_simulators():
+    """docs/schedules.md "Bubble and memory of every schedule": regenerate with
     ``python -m ipukit.widgets.comparison``."""
     import pathlib
 
     from ipukit.widgets.comparison import schedule_table
 
-    readme = pathlib.Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    page = pathlib.Path(__file__).resolve().parents[1].joinpath("docs", "schedules.md")
+    text = page.read_text(encoding="utf-8")
+    assert "## Bubble and memory of every schedule" in text
     table = schedule_table()
-    assert table in readme
+    assert table in text
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
     assert "27.3 %" in rows['`"1F1B"`'] and "11.1 %" in rows['`"ZBH1"`']      # a third left
 
