@@ -357,7 +357,7 @@ class Options(_IgnoredGroup):
         self.cpu_threads_per_ipu: Optional[int] = None
         self.record_timeline = True
         self.track_memory = False
-        self.keep_host_memory = True
+        self.keep_host_memory = False
         self.broadcast_buffers = True
         self.profile_dir: Optional[str] = None
         self.stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT
@@ -672,19 +672,15 @@ class Options(_IgnoredGroup):
 
     def keepHostMemory(self, enabled: bool = True) -> "Options":
         """ipukit: keep the host memory freed between passes for the next ones, as a device
-        keeps its memory (on by default; process-wide and permanent once a model with it
-        on is first called).
+        keeps its memory (off by default: it changes the whole process's allocator, for
+        good, at the first call of a model with it on).
 
         On Linux with glibc, a call with many micro-batches in flight otherwise hands the
         pages of each freed activation back to the system and faults fresh ones in for the
-        next: on the example ViT, forwarding 8 micro-batches before their backwards took
-        16-24 % longer than forward-then-backward, and its GPipe on 2 workers ran 287 ms
-        with 2,600 page faults per call in a fresh process but up to 382 ms with 6,500
-        after a calibration had run in it (264-298 ms with this on, and few faults once warm), costs
-        no pass timed alone shows (:mod:`ipukit.runtime.host_memory`). Kept, the process
-        holds its peak of host memory until it exits. ``keepHostMemory(False)`` leaves
-        glibc's default for as long as no other model turned it on;
-        ``IPUKIT_KEEP_HOST_MEMORY=0`` leaves it for every model."""
+        next, a cost no pass timed alone shows (:mod:`ipukit.runtime.host_memory`). Kept,
+        the process holds its peak of host memory until it exits.
+        ``IPUKIT_KEEP_HOST_MEMORY=1`` turns it on for every model, ``0`` off for every
+        model."""
         self._check_not_frozen(f"keepHostMemory({enabled!r})")
         if not isinstance(enabled, bool):
             raise OptionsError(f"keepHostMemory({enabled!r}): expected True or False.")

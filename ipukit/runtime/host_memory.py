@@ -1,44 +1,28 @@
-"""A virtual IPU keeps its memory: the host allocator stops handing freed pages back (default).
+"""Opt-in: the host allocator keeps the memory it frees, as a device keeps its memory.
 
 A pipelined call holds several micro-batches' activations at once (GPipe all of them,
 1F1B up to one per stage) and frees them as their backwards run. With glibc's default
 settings the memory freed at the top of the heap, and every block above its adaptive
 ``mmap`` threshold, goes back to the operating system; the next micro-batch's
-activations then fault fresh zeroed pages in, on every call. Measured on the example
-ViT (8 micro-batches of 32, one thread, 2-core CPU): forwarding all eight before the
-backwards took 16-24 % longer than forward-then-backward per micro-batch, with 31,697
-page faults and 72 ms of kernel time per run against 1,036 and 8 ms — a cost that
-grows with the micro-batches in flight, which a pass timed alone never pays, and which
-made every pipelined schedule slower than its calibrated model. With the thresholds
-below the two orders took the same time (188 and 190 ms) and the faults were gone.
+activations then fault fresh zeroed pages in, on every call. That cost grows with the
+micro-batches in flight, a pass timed alone never pays it, and it depends on what ran
+before in the process (glibc's adaptive thresholds move as large blocks are freed).
 
 A real device does not pay it: an IPU's memory was laid out once, when the program
 was compiled, and a GPU's caching allocator keeps the blocks it freed. So ipukit can ask
 glibc (``mallopt``) to keep what it frees: the trim threshold very high (the heap is never
 shrunk) and the mmap threshold at glibc's largest, 32 MiB (blocks up to that size come
 from the heap and are reused). The process then keeps its peak of host memory until it
-exits, as the device would; larger blocks are still mapped and returned.
+exits, as the device would; larger blocks are still mapped and returned. With worker
+threads each thread allocates from its own arena, so it matters most where one thread
+holds many micro-batches (a stage run as a process, a plain GPipe-ordered loop).
 
-With worker threads (the threaded runtime) the gain is smaller: each thread allocates
-from its own arena, and the faults per call of the ViT's GPipe on 2 workers fell from
-10-13 thousand to 4-7 thousand, its wall time within noise of before. It matters where
-one thread holds many micro-batches: a stage run as a process, a plain GPipe-ordered loop.
-
-The faults also grow with what ran before in the process: the ViT's GPipe on 2 workers
-took 287 ms with 2,600 faults per call in a fresh process, and up to 382 ms with 6,500
-once :func:`ipukit.calibrate` had run in it (not traced further: glibc's adaptive
-thresholds move as large blocks are freed); with the thresholds below, 264-298 ms before
-and after, with 9-164 faults per call once warm (1,400-2,800 in the calls right after one). That made every timing depend on what the notebook kernel had
-run before, and measured calibrated models 5 of 26 within 15 % where they were 14 of 26
-with memory kept (``benchmarks/calibration.py``, the same hour; the next run, kept: 9 of 26 —
-that table's runs vary that much on a shared 2-core VM).
-
-So it is on by default. It is process-wide and, once set, stays (glibc cannot go back to
-its adaptive threshold): it is applied at the first call of a model that wants it (every
-model unless ``Options.keepHostMemory(False)``), and only where it is glibc's malloc that
-runs (Linux). ``IPUKIT_KEEP_HOST_MEMORY=0`` leaves glibc's default for every model (``1``
-turns it on even for a model that opted out). ``MALLOC_TRIM_THRESHOLD_`` or
-``MALLOC_MMAP_THRESHOLD_`` in the environment mean the user chose: ipukit leaves them alone.
+It is off by default, because it is process-wide and, once set, stays (glibc cannot go
+back to its adaptive threshold): ``Options.keepHostMemory(True)`` applies it at the first
+call of that model, and only where it is glibc's malloc that runs (Linux).
+``IPUKIT_KEEP_HOST_MEMORY=1`` turns it on for every model (``0`` keeps it off even for a
+model that asked). ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the
+environment mean the user chose: ipukit leaves them alone.
 """
 from __future__ import annotations
 
@@ -83,7 +67,7 @@ def kept() -> Optional[bool]:
 
 
 def wanted(option: bool) -> bool:
-    """Whether a model's call asks for it: its option (on by default), unless
+    """Whether a model's call asks for it: its option (off by default), unless
     ``IPUKIT_KEEP_HOST_MEMORY=0``; ``=1`` asks even where the option is off."""
     env = os.environ.get("IPUKIT_KEEP_HOST_MEMORY", "").strip().lower()
     if env in ("0", "false", "no"):
@@ -95,7 +79,7 @@ def keep_freed_memory(enabled: bool = True) -> bool:
     """Make glibc keep the memory it frees, once per process (see the module docstring).
 
     Returns whether the allocator now keeps freed memory. ``enabled`` False (a model that
-    did not ask) does nothing. Off glibc, or when the user set glibc's own
+    did not ask, the default) does nothing. Off glibc, or when the user set glibc's own
     ``MALLOC_*_THRESHOLD_`` variables, nothing is changed and False is returned; the first
     attempt's result stands for the process.
     """
