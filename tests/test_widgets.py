@@ -23,7 +23,7 @@ def equal_costs(blocks=BLOCKS, forward=1.0, backward=2.0):
 
 
 def reference(micro_batch_size=40):
-    """The convnet's reference table (one idle core): numbers that do not depend on the machine."""
+    """The convnet's reference table: numbers that do not depend on the machine."""
     return mnist.reference_costs(micro_batch_size)
 
 

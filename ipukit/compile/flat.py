@@ -2,9 +2,9 @@
 
 torch's tracer hands each stage back as nested ``InterpreterModule``s, one per
 module of the user's model (the model, its body, each layer). Each level costs
-a module call and two tracing checks before its generated code runs; on the
-benchmark's 2-layer stage that was about 25 µs of every forward, where the
-whole hand-written forward takes under a millisecond. :func:`flat_stage` inlines
+a module call and two tracing checks before its generated code runs, on every
+forward of every micro-batch, which for a small stage is a large share of its
+forward. :func:`flat_stage` inlines
 the levels into one ``GraphModule`` that calls the same ops, in the same order,
 on the same parameter and buffer objects, so weights, gradients and in-place
 buffer updates are exactly those of the nested module.
@@ -15,8 +15,7 @@ that is not a graph, keyword arguments) leaves the stage as it was.
 
 The traced graph calls aten's operator overloads (``torch.ops.aten.linear.default``):
 each such call goes through a Python wrapper and a slower binding than torch's own
-functions, about 1 µs more per op (``linear`` 16.6 against 15.1 µs on a micro-batch of 8,
-``relu`` 2.0 against 1.2). Where torch has a public built-in of the same name taking a
+functions, a little more per op. Where torch has a public built-in of the same name taking a
 tensor first (``torch.nn.functional.linear``, ``torch.relu``, the method ``Tensor.view``),
 the flat graph calls that instead (:func:`public_op`): the same aten op through torch's
 own argument parser, so the same kernels and autograd nodes, with the same arguments.

@@ -662,8 +662,8 @@ class Options(_IgnoredGroup):
     def trackMemory(self, enabled: bool = True) -> "Options":
         """ipukit: measure every call's memory per virtual IPU (``Timeline.memory``, the
         profile's counters, :func:`ipukit.viz.memory.measured_memory`), as inside
-        ``with ipukit.track_memory():``. Off by default: a tracked call takes up to about 2.3×
-        as long (every operation goes through a Python hook)."""
+        ``with ipukit.track_memory():``. Off by default: a tracked call takes markedly
+        longer (every operation goes through a Python hook)."""
         self._check_not_frozen(f"trackMemory({enabled!r})")
         if not isinstance(enabled, bool):
             raise OptionsError(f"trackMemory({enabled!r}): expected True or False.")

@@ -85,8 +85,8 @@ def strategy(split: Optional[Sequence[int]] = None, sharded: bool = False):
 
 
 # The convnet's reference costs, in seconds: a fixed cost per pass (framework overhead)
-# plus a cost per sample, per block. Measured on one CPU core with
-# ipukit.balance.measure_blocks at micro-batches of 8, 40 and 128 samples, and rounded.
+# plus a cost per sample, per block, from ipukit.balance.measure_blocks at micro-batches
+# of 8, 40 and 128 samples, rounded.
 _FIXED = {"forward": dict.fromkeys(BLOCKS, 8.0e-5), "backward": dict.fromkeys(BLOCKS, 1.5e-4)}
 _PER_SAMPLE = {
     "forward": {"B1": 7.0e-5, "B2": 3.0e-5, "B3": 4.5e-6, "B4": 1.5e-6},
@@ -95,10 +95,10 @@ _PER_SAMPLE = {
 
 
 def reference_costs(micro_batch_size: int = 40) -> CostTable:
-    """The convnet's cost table measured once on one idle core (B1 and B2, the
-    convolutions, about ten times B3 and B4): numbers that do not depend on the machine."""
+    """The convnet's fixed reference cost table (B1 and B2, the convolutions, cost more
+    than B3 and B4): numbers that do not depend on the machine."""
     return linear_costs(BLOCKS, _FIXED, _PER_SAMPLE, micro_batch_size,
-                        source="the convnet's reference costs, one idle core")
+                        source="the convnet's reference costs")
 
 
 @functools.lru_cache(maxsize=None)

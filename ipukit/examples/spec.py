@@ -14,9 +14,8 @@ vit.explorer_model()])``) and reads only their attributes. A spec says
   blocks the counts place, ``together`` the blocks ``parallelize`` keeps on one IPU);
 * its data: one sample's shape (``sample_shape``, MNIST images by default) and the
   micro-batch size it starts at;
-* optionally ``reference_costs(micro_batch_size)``: a fixed cost table, measured once
-  per block on one idle core, for lessons whose numbers must not depend on the
-  reader's machine (the dashboard itself calibrates on the reader's machine).
+* optionally ``reference_costs(micro_batch_size)``: a fixed cost table shipped with the
+  example, for lessons whose numbers must not depend on the reader's machine (the dashboard itself calibrates on the reader's machine).
 
 :meth:`calibration_module` and :meth:`sample_batch` are what :func:`ipukit.calibrate`
 measures the model's cost table on, every block its own stage.
@@ -104,6 +103,6 @@ def linear_costs(blocks: Sequence[str], fixed: Mapping[str, Mapping[str, float]]
     def pass_costs(kind: str) -> list:
         return [fixed[kind][b] + per_sample[kind][b] * micro_batch_size for b in blocks]
 
-    notes: Dict[str, str] = {"source": source or "reference costs, one idle core"}
+    notes: Dict[str, str] = {"source": source or "reference costs"}
     return CostTable(list(blocks), pass_costs("forward"), pass_costs("backward"), step=step,
                      host_before=host, micro_batch=int(micro_batch_size), notes=notes)

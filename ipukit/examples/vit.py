@@ -157,9 +157,8 @@ def num_layers_for(ipu_config: IPUConfig, default: int = 8) -> int:
     return default if -1 in layers else sum(layers)
 
 
-# The ViT's reference costs (width 64, 17 tokens), (fixed, per sample) seconds, measured with
-# ipukit.balance.measure_blocks on one idle core at micro-batches of 4 to 64 samples and
-# rounded. Every encoder layer costs the same; the embedding and the head (with the loss)
+# The ViT's reference costs (width 64, 17 tokens), (fixed, per sample) seconds, from
+# ipukit.balance.measure_blocks at micro-batches of 4 to 64 samples, rounded. Every encoder layer costs the same; the embedding and the head (with the loss)
 # are small.
 _REFERENCE = {
     "forward": {"Embedding": (4.0e-4, 4.0e-6), "Encoder": (3.0e-4, 3.2e-5),
@@ -170,14 +169,14 @@ _REFERENCE = {
 
 
 def reference_costs(micro_batch_size: int = 16, num_layers: int = 8) -> CostTable:
-    """The ViT's cost table measured once on one idle core: numbers that do not depend on
+    """The ViT's fixed reference cost table: numbers that do not depend on
     the machine (its identical encoder layers cost the same)."""
     blocks = ("Embedding", *(f"Encoder{i}" for i in range(num_layers)), "LayerNorm", "Classifier")
     kind_of = {b: "Encoder" if b.startswith("Encoder") else b for b in blocks}
     fixed = {k: {b: table[kind_of[b]][0] for b in blocks} for k, table in _REFERENCE.items()}
     per_sample = {k: {b: table[kind_of[b]][1] for b in blocks} for k, table in _REFERENCE.items()}
     return linear_costs(blocks, fixed, per_sample, micro_batch_size,
-                        source="the ViT's reference costs, one idle core")
+                        source="the ViT's reference costs")
 
 
 @functools.lru_cache(maxsize=None)

@@ -141,10 +141,9 @@ class CallRunner:
         (the undo copy, the steps between iterations, gathering the outputs), it runs with
         a worker's intra-op threads, and gets its own back after.
 
-        With the caller's own (all the cores), on 2 cores, an OpenMP parallel region on the
-        calling thread beside or between the workers' cost far more than its work: the
-        convnet's undo copy (AdamW, 90k weights) took 0.4-19 ms instead of 0.3 ms, and its
-        gradient reduction and step 5-30 ms instead of about 1 ms in one call of two."""
+        With the caller's own (all the cores), an OpenMP parallel region on the calling
+        thread beside or between the workers' competes with them for the cores and can
+        cost far more than its work (the undo copy, the gradient reduction and step)."""
         if self.threads_each is None:
             yield
             return

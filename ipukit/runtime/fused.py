@@ -106,9 +106,8 @@ def action_by_action():
     :class:`FusedBackward` for every stage: each pass timed on its own, its backward an
     autograd call of its own, with the bookkeeping a pipelined call's passes pay (what
     :func:`ipukit.calibrate` measures). With one backward from the loss, the last stage's
-    span held the engine's walk of the whole model's graph: the ViT's classifier block
-    (a Linear and the loss) measured 0.6-0.9 ms of backward where its own pass takes
-    0.07 ms, and the model charged that to every pipelined call's last stage."""
+    span held the engine's walk of the whole model's graph, many times its own pass,
+    and the model charged that to every pipelined call's last stage."""
     previous = getattr(_ACTION_BY_ACTION, "on", False)
     _ACTION_BY_ACTION.on = True
     try:

@@ -23,8 +23,8 @@ start (the baseline), and the optimiser's new state after each step
 (:meth:`CallMemory.after_step`). A sharded call runs every IPU on one thread: one
 track (``ipu`` -1) for all of them.
 
-The tracker costs a Python call per operation (a call took 1.2–2.1× as long on the
-convnet, 2.1–2.3× on the ViT: ``benchmarks/memory.md``), so it is opt-in: inside
+The tracker costs a Python call per operation (a tracked call takes markedly longer),
+so it is opt-in: inside
 ``with track_memory():``, with ``IPUKIT_TRACK_MEMORY=1``, or for a model compiled with
 ``Options.trackMemory(True)``, every call records it, and
 its timeline carries one :class:`~ipukit.timeline.events.MemoryTrack` per virtual

@@ -14,8 +14,7 @@ stage, and multiplies them by the micro-batches each schedule keeps in flight
 beside that model, with a per-IPU refinement of it (:func:`ipu_stash_peak`,
 :func:`recompute_bytes`) and a calibrated one (:func:`ipu_pass_peak`: each pass adds its own
 transient, measured on its stage alone by ``ipukit.runtime.memory_track.calibrate_memory``
-and kept here, :func:`known_transients`); ``benchmarks/memory.md`` says row by row where
-they differ.
+and kept here, :func:`known_transients`).
 """
 from __future__ import annotations
 

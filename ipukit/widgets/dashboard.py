@@ -158,8 +158,7 @@ class Dashboard:
         plotly's FigureWidget sends changes as deltas (delete these traces, add
         those), and the browser applies them only once the widget's JavaScript
         has loaded: a delta sent before that is lost, and every later one then
-        fails against traces the view does not have (blank figures in 2 of 3
-        runs of the browser tests). A new widget's first state is the whole
+        fails against traces the view does not have (a blank figure). A new widget's first state is the whole
         figure, so the browser draws what the kernel holds. Call it from the
         kernel's main thread (widgets are created here).
         """

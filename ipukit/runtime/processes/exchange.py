@@ -6,8 +6,8 @@ did, but only the processes whose stages produce model outputs hold them (the
 the other processes of the replica.
 
 Why not one pickled ``all_gather_object`` (what ipukit did first): it sends
-every process's rows to every process, in two collectives, pickled both ways;
-on two gloo processes it cost about 2 ms of a 90 ms training call. Here a
+every process's rows to every process, in two collectives, pickled both ways,
+a cost paid on every call. Here a
 producing process broadcasts its rows as raw bytes in one collective, once
 every process knows their layout (keys, shapes, dtypes): the first call, and
 any call whose layout changed, sends them pickled and every process keeps the
@@ -160,7 +160,7 @@ class SpanGather:
     A span is nine numbers (its :class:`~ipukit.timeline.Event` fields, the kind as
     an index); every process sends ``capacity`` rows, an upper bound on what any
     process records in a call that is the same on all of them, so no sizes need
-    exchanging first (pickled, this cost about 1.4 ms a call on two gloo processes).
+    exchanging first (and nothing is pickled).
 
     A process that measured its memory (:class:`~ipukit.runtime.memory_track.CallMemory`)
     says so in its table's first row, and sends its tracks (pickled: a few thousand samples

@@ -21,8 +21,8 @@ DDP, ALL_REDUCE = "ddp", "all-reduce"
 
 def gradient_sync(schedule, replicas: int, training: bool) -> Optional[str]:
     """How a run's replicas combine gradients: :data:`DDP`, :data:`ALL_REDUCE`, or None
-    (one replica, or no training). The one rule, from what torch 2.14.1 did (gloo,
-    dp 2 × pp 2, a ``Linear`` per stage, DDP inside each ``PipelineStage``).
+    (one replica, or no training). The one rule, from what torch does with DDP inside
+    each ``PipelineStage``.
 
     torch's DDP, the field's library, wherever every backward is a full one
     (``B``): GPipe, 1F1B, interleaved 1F1B, looped BFS, the sharded schedules,
