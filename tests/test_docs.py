@@ -62,6 +62,17 @@ def test_options_help_reads_as_a_users_page():
         opts.deviceIteration = 4
 
 
+def test_every_public_name_is_in_the_api_reference():
+    """Each name in ``ipukit.__all__`` appears on a page of docs/api/ (a ``::: ipukit.X``
+    entry, or named in the text, as PopTorch's aliases are)."""
+    import ipukit
+
+    text = "\n".join(p.read_text(encoding="utf-8") for p in (DOCS / "api").glob("*.md"))
+    missing = [name for name in ipukit.__all__
+               if not re.search(rf"\b{re.escape(name)}\b", text)]
+    assert not missing, f"public names missing from docs/api/: {missing}"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None
                     or importlib.util.find_spec("mkdocstrings") is None
                     or importlib.util.find_spec("material") is None,
