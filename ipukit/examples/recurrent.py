@@ -6,8 +6,7 @@ step before, and the call releases Python's GIL. So a second intra-op thread buy
 plain micro-batched loop little, while two pipeline stages, a core each, really compute
 at once. :func:`recurrent_net` builds the classifier in stages (one ``Block`` and virtual
 IPU each), :func:`sequences` random data for it, and :func:`measure` times one optimiser
-step five ways side by side. Notebooks 01 and 03 use them; ``benchmarks/pipeline_win.py``
-is the benchmark built on :func:`measure` (``python -m benchmarks.run --only pipeline_win``).
+step five ways side by side. Notebooks 01 and 03 use them.
 """
 from __future__ import annotations
 
