@@ -11,6 +11,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+# the side-by-side timing the library's example uses too (notebooks 01 and 03)
+from ipukit.examples.recurrent import interleaved, paired_ratio, threads  # noqa: F401
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -85,39 +88,6 @@ def timed(fn: Callable[[], object], reps: int) -> List[float]:
     return out
 
 
-def interleaved(variants: Dict[str, Callable[[], object]], rounds: int,
-                per_round: int) -> Dict[str, List[float]]:
-    """Per-call times of each variant, alternating variants round by round.
-
-    Other work on a shared machine then slows every variant alike, so their
-    ratio stays meaningful even when the absolute times drift.
-    """
-    times: Dict[str, List[float]] = {k: [] for k in variants}
-    for r in range(rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in order:
-            times[name] += timed(variants[name], per_round)
-    return times
-
-
-def paired_ratio(a: List[float], b: List[float], per_round: int) -> Tuple[float, float]:
-    """(ratio, noise) of variant ``a`` ÷ variant ``b`` from interleaved rounds.
-
-    Each round compares the fastest call of each variant in that round (load
-    on a shared machine only ever slows a call down, so the minimum is the
-    least disturbed sample), pairing each variant with its neighbour in time;
-    the ratio is the median over rounds and the noise half the interquartile
-    range of the round ratios.
-    """
-    ratios = []
-    for k in range(0, min(len(a), len(b)), per_round):
-        ratios.append(min(a[k:k + per_round]) / min(b[k:k + per_round]))
-    if len(ratios) < 4:
-        return median(ratios), float("nan")
-    q = statistics.quantiles(ratios, n=4)
-    return median(ratios), (q[2] - q[0]) / 2
-
-
 def median_ratio(a: List[float], b: List[float], seed: int = 0) -> Tuple[float, float]:
     """(ratio, noise) of variant ``a`` ÷ variant ``b``: the ratio of their median calls.
 
@@ -147,21 +117,6 @@ def verdict(value: float, noise: float, limit: float, below: bool = True) -> Opt
     if noise == noise and abs(value - limit) < noise:  # noise is not NaN and spans the limit
         return None
     return value <= limit if below else value >= limit
-
-
-class threads:
-    """Context manager: run a block with ``n`` intra-op threads, then restore the count."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self) -> "threads":
-        self.previous = torch.get_num_threads()
-        torch.set_num_threads(self.n)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.set_num_threads(self.previous)
 
 
 def median(values: List[float]) -> float:

@@ -101,7 +101,7 @@ def plain_loop(net: nn.Module, x, y, micro_batch: int) -> Callable[[], None]:
     return run
 
 
-# -- timing side by side (the benchmarks use the same three) -------------------------
+# -- timing variants side by side ------------------------------------------------------
 @contextlib.contextmanager
 def threads(n: int) -> Iterator[None]:
     """Run a block with ``n`` intra-op threads, then restore the count."""
