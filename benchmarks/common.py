@@ -144,3 +144,60 @@ def write_result(out: str, name: str, result: Dict, text: str) -> None:
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
+
+
+def uncontended_costs(timeline, cores: Optional[int] = None,
+                      statistic: str = "median") -> Dict[str, List[float]]:
+    """Per-stage costs of ``timeline``'s passes as if each had had a core to itself.
+
+    A measured span is wall time: when more workers run than there are
+    ``cores`` (default :func:`available_cores`), each pass shares a core and
+    its span stretches. This estimates each pass's own work by integrating,
+    over its span, the share of a core it had — ``min(1, cores / running)``
+    where ``running`` counts the forwards and backwards in progress — which
+    holds when workers share cores fairly (one intra-op thread each, as the
+    executor sets them). Returns ``Timeline.stage_costs()``'s dict, ready for
+    ``model_like(measured, cores=cores, costs=...)``: replaying these costs
+    on ``cores`` cores models the contention once, not twice.
+    """
+    import statistics as stats
+
+    from ipukit.timeline.events import COMPUTE_KINDS
+    from ipukit.timeline.simulate import available_cores
+
+    cores = available_cores() if cores is None else int(cores)
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    passes = [e for e in timeline.device_events() if e.kind in COMPUTE_KINDS]
+    marks = sorted([(e.start, 1) for e in passes] + [(e.end, -1) for e in passes])
+    # cumulative core-seconds a running pass has received, at each mark
+    times, credit = [], []
+    running, total, t = 0, 0.0, None
+    for time, delta in marks:
+        if t is not None and time > t and running:
+            total += (time - t) * min(1.0, cores / running)
+        times.append(time)
+        credit.append(total)
+        running += delta
+        t = time
+    import bisect
+
+    def received(a: float) -> float:
+        i = bisect.bisect_right(times, a) - 1
+        return credit[i] if i >= 0 else 0.0
+
+    agg = getattr(stats, statistic)
+    stages = sorted({e.stage for e in timeline.device_events() if e.stage >= 0})
+    own: Dict[tuple, List[float]] = {}
+    for e in passes:
+        own.setdefault((e.kind, e.stage), []).append(received(e.end) - received(e.start))
+    out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
+    steps = timeline.stage_costs(statistic)["step"]
+    split = any(e.kind == "input-grad" for e in passes)
+    for kind in ("forward", "backward") + (("input-grad", "weight-grad") if split else ()):
+        out[kind] = [agg(own[(kind, s)]) if own.get((kind, s)) else 0.0 for s in stages]
+    if split:  # a stage's backward, when it ran split: its two halves
+        out["backward"] = [b or i + w for b, i, w in
+                           zip(out["backward"], out["input-grad"], out["weight-grad"])]
+    out["step"] = list(steps)
+    return out

@@ -11,7 +11,7 @@ IPU in every case. Each schedule trains ``calls`` steps of ``M`` micro-batches;
 the benchmark reports the median measured step time and the step time
 ipukit's model gives for that very call on this machine's cores (the call's
 own passes, with the contention of sharing the cores taken out by
-:func:`ipukit.simulate.uncontended_costs`, replayed on
+:func:`benchmarks.common.uncontended_costs`, replayed on
 :func:`ipukit.simulate.available_cores` cores). ``model ÷ measured`` is the
 measured utilisation over the modeled one (the same passes in both); the issue's
 goal is ≥ 0.9. The winner of each P is the fastest measured schedule.
@@ -42,7 +42,8 @@ import torch.nn.functional as F  # noqa: E402
 import ipukit  # noqa: E402
 from ipukit.timeline.compare import layout  # noqa: E402
 from ipukit.schedules import PIPELINED_KINDS  # noqa: E402
-from ipukit.timeline.simulate import available_cores, model_like, uncontended_costs  # noqa: E402
+from ipukit.timeline.simulate import available_cores, model_like  # noqa: E402
+from benchmarks.common import uncontended_costs  # noqa: E402
 
 from .models import balanced_data, stage_layers  # noqa: E402
 

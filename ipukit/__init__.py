@@ -30,7 +30,7 @@ from .runtime.memory_track import track_memory
 from .schedules import Action, Schedule
 from .timeline import Event, Timeline
 from .timeline.compare import compare_schedules
-from .timeline.simulate import costs_from, model_like, play_on_cores, simulate
+from .timeline.simulate import costs_from, model_like, simulate
 
 __version__ = "0.1.0"
 
@@ -92,7 +92,7 @@ __all__ = [
     "HalfFloatCastingBehavior", "MeanReductionStrategy", "Options", "OutputMode",
     "ParallelPhasedExecution", "PipelinedExecution", "PoplarExecutor", "ReductionType",
     "SerialPhasedExecution", "ShardedExecution", "Stage", "SyncPattern", "TensorLocationSettings",
-    "Timeline", "Action", "Schedule", "costs_from", "model_like", "play_on_cores", "identity_loss", "inferenceModel",
+    "Timeline", "Action", "Schedule", "costs_from", "model_like", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
     "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate", "compare_schedules",
     "trainingModel", "AnchorMode", "CommGroupType", "Liveness", "MatMulSerializationMode",

@@ -290,7 +290,7 @@ class _RecomputeMark:
 # -- costs at any micro-batch size ---------------------------------------------------------
 
 #: The cost table's fields that hold one cost per block (they scale with the micro-batch).
-PER_BLOCK = ("forward", "backward", "input_grad", "weight_grad", "release")
+PER_BLOCK = ("forward", "backward", "input_grad", "weight_grad")
 
 
 def _is_block_list(value, n: int) -> bool:

@@ -88,7 +88,7 @@ def test_calibrate_on_cuda_times_the_gpu_work_and_leaves_the_model_as_it_was():
                              optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert table.device.startswith("cuda")
     assert all(f > 0 for f in table.forward) and all(b > 0 for b in table.backward)
-    assert table.step > 0 and table.handoff > 0 and table.concurrency[0] == 1.0
+    assert table.step > 0 and table.handoff > 0 and table.threads >= 1
     assert table.input_grad is not None and all(v > 0 for v in table.input_grad)
     assert torch.equal(torch.random.get_rng_state(), state)
     after = {k: v.detach().cpu() for k, v in model.state_dict().items()}

@@ -137,14 +137,12 @@ def test_costs_at_other_micro_batch_sizes_are_interpolated():
     assert mid.micro_batch == 20
     assert mid.forward[1] == pytest.approx(2e-3 * 2.0)        # halfway: 1× → 3×
     assert table_at([lo], 16).backward[2] == pytest.approx(12e-3)   # one table: proportional
-    fields = {f.name for f in dataclasses.fields(CostTable)}
-    if {"input_grad", "concurrency"} <= fields:   # per-block halves scale, the rest does not
-        lo = dataclasses.replace(lo, input_grad=[1.0] * 4, concurrency=[1.0, 1.5, 1.8, 2.0])
-        hi = dataclasses.replace(hi, input_grad=[3.0] * 4, concurrency=[1.0, 1.5, 1.8, 2.0])
-        mid = table_at([lo, hi], 20)
-        assert mid.input_grad == [pytest.approx(2.0)] * 4
-        assert mid.concurrency == [1.0, 1.5, 1.8, 2.0]
-        assert table_at([hi], 64).concurrency == [1.0, 1.5, 1.8, 2.0]
+    # per-block halves scale, the rest (cores, threads) does not
+    lo = dataclasses.replace(lo, input_grad=[1.0] * 4, threads=1)
+    hi = dataclasses.replace(hi, input_grad=[3.0] * 4, threads=1)
+    mid = table_at([lo, hi], 20)
+    assert mid.input_grad == [pytest.approx(2.0)] * 4
+    assert mid.threads == 1 and table_at([hi], 64).threads == 1
 
 
 def test_plans_apply_and_run_for_real():

@@ -93,20 +93,6 @@ def test_utilisation_figure_in_percent_from_a_timeline_or_a_dict():
     assert f"{timed.throughput():,.0f} samples/s" in sub
 
 
-def test_utilisation_figure_draws_a_modeled_busy_range_as_whiskers():
-    tl = ipukit.simulate("1f1b", 2, 4, forward_cost=1.0, backward_cost=2.0)
-    per = tl.utilisation()["per_ipu"]
-    assert plots.utilisation_figure(tl).data[0].error_y.array is None
-    ranged = Timeline(tl.events, modeled=True,
-                      meta=dict(tl.meta, busy_range={0: (per[0] - 0.2, per[0]),
-                                                     1: (per[1] - 0.1, per[1] + 0.05)}))
-    fig = plots.utilisation_figure(ranged)
-    bar = fig.data[0]
-    assert list(bar.error_y.arrayminus) == pytest.approx([20.0, 10.0])
-    assert list(bar.error_y.array) == pytest.approx([0.0, 5.0])
-    assert "whiskers" in fig.layout.title.text and "modeled range" in bar.hovertemplate
-
-
 def test_breakdown_figure_stacks_the_idle_parts_to_100_and_labels_speed():
     runs = {"pipelined": ipukit.simulate("1f1b", 4, 8, forward_cost=[1, 2, 1, 1], step_cost=2.0,
                                          host_overhead=3.0, samples=320),
@@ -277,10 +263,9 @@ def test_schedule_comparison_on_mixed_ipu_counts_says_so_and_gives_ipu_time():
 def test_compare_shows_the_models_notes():
     from ipukit.timeline.costs import CostTable, model_call
 
-    t = CostTable(blocks=["a", "b"], forward=[1.0, 1.0], backward=[2.0, 2.0], cores=1,
-                  concurrency=[1.0, 0.9])
+    t = CostTable(blocks=["a", "b"], forward=[1.0, 1.0], backward=[2.0, 2.0], cores=1)
     modeled = model_call(t, "1f1b", [["a"], ["b"]], 4)
     measured = Timeline(modeled.events, modeled=False, meta=dict(modeled.meta))
     fig = plots.compare_figure(measured, modeled)
     texts = [a.text for a in fig.layout.annotations]
-    assert any(x.startswith("Model: ") and "calibrated rate" in x for x in texts)
+    assert any(x.startswith("Model: ") and "at most 1 at once" in x for x in texts)

@@ -1,5 +1,4 @@
 """The schedule model: textbook utilisation, dependencies, core limits, modeling measured runs."""
-import os
 import random
 import time
 from collections import defaultdict
@@ -9,7 +8,8 @@ import pytest
 import ipukit
 from ipukit import Timeline
 from ipukit.schedules import build
-from ipukit.timeline.simulate import model_like, play, play_on_cores
+from ipukit.schedules.ir import walk
+from ipukit.timeline.simulate import model_like
 
 KINDS = ("gpipe", "1f1b", "sharded", "inference", "sharded-inference")
 CASES = [(1, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 16), (6, 2), (8, 32)]
@@ -105,20 +105,19 @@ def _random_case(rng, kind, N, M, iterations=2):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_enough_cores_is_exactly_play(kind):
+def test_enough_cores_is_exactly_the_free_walk(kind):
     rng = random.Random(1)
     for N, M in ((1, 1), (2, 3), (4, 7), (3, 9)):
         schedule, costs, transfers = _random_case(rng, kind, N, M)
-        expected = play(schedule.lanes, N, costs, transfers, start_time=0.25)
-        got = play_on_cores(schedule.lanes, N, costs, cores=64, transfers=transfers,
-                            start_time=0.25, replicas=2)
+        expected = walk(schedule.lanes, N, costs, transfers, start_time=0.25)[0]
+        got = walk(schedule.lanes, N, costs, transfers, start_time=0.25, cores=64, replicas=2)
         assert got[0] == expected and got[1] == expected
 
 
 def test_stages_sharing_an_ipu_play_the_same_with_enough_cores():
     schedule = build("1f1b", 4, 8, 1, [0, 0, 1, 1])
     costs = {"F": [1.0, 0.5, 1.5, 1.0], "B": [2.0, 1.0, 3.0, 2.0]}
-    assert play_on_cores(schedule.lanes, 4, costs, cores=2)[0] == play(schedule.lanes, 4, costs)
+    assert walk(schedule.lanes, 4, costs, cores=2)[0] == walk(schedule.lanes, 4, costs)[0]
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "inference"])
@@ -193,88 +192,12 @@ def test_model_like_with_costs_of_another_run():
 # -- cores shared at a calibrated rate; exposed and overlapped transfers -------------------
 
 from ipukit.schedules.generators import placement  # noqa: E402
-from ipukit.schedules.ir import walk  # noqa: E402
 from ipukit.timeline.compare import compare_schedules  # noqa: E402
 from ipukit.timeline.costs import CostTable  # noqa: E402
-from ipukit.timeline.simulate import (paired_actions, pinned_slots, play_shared,  # noqa: E402
-                                      rate_of)
+from ipukit.timeline.simulate import paired_actions  # noqa: E402
 
 SPLIT_CASES = [("gpipe", 4, 4), ("1f1b", 3, 3), ("zb-h1", 4, 4), ("interleaved-1f1b", 4, 2),
                ("looped-bfs", 4, 2), ("zbv", 4, 2), ("dualpipev", 8, 4)]
-
-
-@pytest.mark.parametrize("kind,N,P", SPLIT_CASES)
-def test_shared_cores_without_a_rate_are_exactly_the_walk(kind, N, P):
-    rng = random.Random(N)
-    ipus = placement(kind, N, P) if N != P else None
-    sch = build(kind, N, 8, 2, ipus)
-    costs = {k: [rng.uniform(0.5, 2) for _ in range(N)] for k in "FBIWS"}
-    tr = {k: [rng.uniform(0, 0.3) for _ in range(N)] for k in "FB"}
-    assert play_shared(sch.lanes, N, costs, tr, 0.1) == walk(sch.lanes, N, costs, tr, 0.1)
-
-
-@pytest.mark.parametrize("kind,N,P", SPLIT_CASES)
-def test_shared_cores_at_full_rate_keep_the_dependencies_and_total_work(kind, N, P):
-    ipus = placement(kind, N, P) if N != P else None
-    sch = build(kind, N, 8, 1, ipus)
-    costs = {k: [1.0] * N for k in "FBIW"}
-    free = play_shared(sch.lanes, N, costs)[0]
-    one = play_shared(sch.lanes, N, costs, parallelism=[1.0, 1.0])[0]
-    busy = sum(a[0] != "S" for lane in sch.lanes for a in lane)   # every pass costs 1
-    assert max(e for lane in one for _, e in lane) == pytest.approx(busy)
-    assert max(e for lane in free for _, e in lane) < busy
-
-
-def test_rate_of_holds_the_last_measured_rate_and_never_beats_k():
-    assert rate_of(None, 3) == 1.0 and rate_of([1.0, 1.5], 1) == 1.0
-    assert rate_of([1.0, 1.5], 2) == pytest.approx(0.75)
-    assert rate_of([1.0, 1.5], 4) == pytest.approx(1.5 / 4)
-    assert rate_of([1.0, 5.0], 2) == 1.0
-
-
-def test_pinned_workers_share_only_their_own_core(monkeypatch):
-    # one stage, four replicas: four independent workers, each one forward of cost 1
-    lanes = build("gpipe", 1, 1, 1).lanes
-    costs = {"F": [1.0], "B": [0.0], "S": [0.0]}
-    def ends(times):      # when each worker's forward ended
-        return sorted(lane[0][1] for rep in times for lane in rep)
-    # two workers pinned to one core: half a core each, whatever the other core does
-    assert ends(play_shared(lanes, 1, costs, parallelism=[1.0, 2.0], replicas=2,
-                            pinned=[0, 0])) == pytest.approx([2.0, 2.0])
-    assert ends(play_shared(lanes, 1, costs, parallelism=[1.0, 2.0], replicas=2,
-                            pinned=[0, 1])) == pytest.approx([1.0, 1.0])
-    # spread evenly, pinning changes nothing: the calibrated rate of k at once, shared
-    for rate in ([1.0, 1.9, 1.9, 1.8], [1.0, 2.0, 2.0, 2.0]):
-        assert ends(play_shared(lanes, 1, costs, parallelism=rate, replicas=4,
-                                pinned=[0, 1, 0, 1])) == pytest.approx(
-            ends(play_shared(lanes, 1, costs, parallelism=rate, replicas=4)))
-    # the rule the executor pins by (worker_cores): only workers beyond the cores
-    monkeypatch.delenv("IPUKIT_PIN_WORKERS", raising=False)
-    if hasattr(os, "sched_setaffinity"):
-        assert pinned_slots(4, 2) == [0, 1, 0, 1] and pinned_slots(3, 2) == [0, 1, 0]
-    assert pinned_slots(2, 2) is None and pinned_slots(1, 4) is None
-    monkeypatch.setenv("IPUKIT_PIN_WORKERS", "0")
-    assert pinned_slots(4, 2) is None
-
-
-def test_a_core_serving_its_pinned_workers_in_turn_starts_a_pass_when_it_gets_the_core():
-    # four replicas of one stage, a forward of cost 1 each, two workers on each core
-    lanes = build("gpipe", 1, 1, 1).lanes
-    costs = {"F": [1.0], "B": [0.0], "S": [0.0]}
-    rate = [1.0, 2.0, 2.0, 2.0]
-    sliced = play_shared(lanes, 1, costs, parallelism=rate, replicas=4, pinned=[0, 1, 0, 1])
-    turns = play_shared(lanes, 1, costs, parallelism=rate, replicas=4, pinned=[0, 1, 0, 1],
-                        in_turn=True)
-    spans = sorted(x for rep in sliced for x in rep[0][0])
-    assert spans == pytest.approx([0.0] * 4 + [2.0] * 4)     # all four stretched to 2
-    spans = sorted(rep[0][0] for rep in turns)
-    # each core runs one worker's pass, then the other's: the second starts at 1
-    assert [x for span in spans for x in span] == pytest.approx([0, 1, 0, 1, 1, 2, 1, 2])
-    # the same work on the same cores: the call ends together; only the busy time differs
-    assert max(e for _, e in spans) == pytest.approx(2.0)
-    # without pins (no more workers than cores) there is nothing to take turns at
-    assert play_shared(lanes, 1, costs, parallelism=rate, replicas=2, in_turn=True) == \
-        play_shared(lanes, 1, costs, parallelism=rate, replicas=2)
 
 
 def test_dualpipev_pairs_are_forwards_next_to_backwards_of_the_other_stage():
@@ -368,39 +291,42 @@ def test_model_like_replays_a_one_worker_call_as_the_sum_of_its_own_passes():
                         abs_tol=1e-12)
 
 
-def test_a_pass_beside_one_that_hands_the_lock_over_loses_its_handovers():
-    """``handovers[kind][stage]`` = η: a pass of another worker running beside it advances
-    1 + η times slower; alone, nothing changes."""
-    sch = build("gpipe", 1, 1, 1)
-    costs = {"F": [1.0], "B": [0.0]}
+@pytest.mark.parametrize("kind,N,P", SPLIT_CASES)
+def test_the_walk_is_exactly_the_schedules_rules_with_a_core_per_worker(kind, N, P):
+    """A random case, each action checked: it starts when its last dependency (or its
+    lane's previous action) ended, plus the transfer it waits for."""
+    rng = random.Random(N)
+    ipus = placement(kind, N, P) if N != P else None
+    sch = build(kind, N, 8, 2, ipus)
+    costs = {k: [rng.uniform(0.5, 2) for _ in range(N)] for k in "FBIWS"}
+    tr = {k: [rng.uniform(0, 0.3) for _ in range(N)] for k in "FB"}
+    times = walk(sch.lanes, N, costs, tr, 0.1)[0]
+    end = {}
+    for lane, lt in zip(sch.lanes, times):
+        for a, (t0, t1) in zip(lane, lt):
+            assert t1 - t0 == pytest.approx(costs[a[0]][a[1]])
+            end[tuple(a)] = t1
+    for lane, lt in zip(sch.lanes, times):
+        prev = 0.1
+        for a, (t0, _) in zip(lane, lt):
+            kind_, s, m, it = a
+            deps = [prev]
+            if kind_ == "F" and s > 0:
+                deps.append(end[("F", s - 1, m, it)] + tr["F"][s])
+            elif kind_ in "BI" and s < N - 1:
+                g = end.get(("B", s + 1, m, it), end.get(("I", s + 1, m, it)))
+                deps += [g + tr["B"][s], end[("F", s, m, it)]]
+            elif kind_ == "W":
+                deps.append(end[("I", s, m, it)])
+            elif kind_ == "S":
+                deps.append(max(e for k, e in end.items() if k[3] == it and k[0] != "S"))
+            assert t0 == pytest.approx(max(deps))
+            prev = end[tuple(a)]
 
-    def end(replicas, **kw):
-        times = play_shared(sch.lanes, 1, costs, parallelism=[1.0, 2.0], replicas=replicas,
-                            **kw)
-        return max(e for rep in times for lane in rep for _, e in lane)
 
-    assert end(2, handovers={"F": [0.5]}) == pytest.approx(1.5)    # each beside the other
-    assert end(1, handovers={"F": [0.5]}) == pytest.approx(1.0)    # alone: no neighbour
-    assert end(2, handovers={"B": [0.5]}) == pytest.approx(1.0)    # only the kind named
-    # with the lock shares: both slowdowns, one after the other
-    assert end(2, handovers={"F": [0.5]}, lock={"F": [0.5]}) == pytest.approx(1.25 * 1.5)
+def test_a_deadlocked_schedule_names_the_lanes_waiting_on_each_other():
+    from ipukit.schedules.ir import Action, ScheduleError
 
-
-def test_passes_holding_the_interpreter_lock_slow_each_other_as_measured_beside_twins():
-    # two replicas of one stage: two forwards of cost 1 run at once on two cores
-    sch = build("gpipe", 1, 1, 1)
-    costs = {"F": [1.0], "B": [0.0]}
-
-    def end(**kw):
-        times = play_shared(sch.lanes, 1, costs, parallelism=[1.0, 2.0], replicas=2, **kw)
-        return max(e for rep in times for lane in rep for _, e in lane)
-
-    assert end() == pytest.approx(1.0)
-    assert end(lock={"F": [0.0]}) == pytest.approx(1.0)      # no lock held: no wait
-    assert end(lock={"F": [1.0]}) == pytest.approx(2.0)      # all lock: one at a time
-    # a share g beside its twin takes 1 + g² of its time (lock_share's reading)
-    assert end(lock={"F": [0.5]}) == pytest.approx(1.25)
-    # the calibrated rate of k whole-model passes (share lock_whole) is kept for them
-    whole = play_shared(sch.lanes, 1, costs, parallelism=[1.0, 1.6], replicas=2,
-                        lock={"F": [0.5]}, lock_whole=0.5)
-    assert max(e for rep in whole for lane in rep for _, e in lane) == pytest.approx(2 / 1.6)
+    lanes = [[Action.from_str(a) for a in lane] for lane in (["0F0", "0B0"], ["1B0", "1F0"])]
+    with pytest.raises(ScheduleError, match="lane 0 waits at 0B0 for 1B0 .lane 1., which waits at 1B0 for 1F0"):
+        walk(lanes, 2, {"F": [1.0, 1.0], "B": [1.0, 1.0]})

@@ -319,68 +319,6 @@ def test_more_micro_batches_shrink_the_bubble_not_host_or_imbalance_time():
     assert [b["textbook_bubble"] for b in shares] == pytest.approx([3 / 7, 3 / 11, 3 / 35])
 
 
-# -- the critical path ----------------------------------------------------------------------
-
-def test_critical_path_by_hand():
-    """host 0-1; F0 1-3 on IPU 0; F1 3-4 on IPU 1 (after F0: a hand-off of 0); B1 4-6; B0
-    6-8 (after B1, another worker's); the step 8-9: every part of the 9 s is on the path."""
-    cp = _handmade().critical_path()
-    assert [(e.stage, e.kind) for e in cp["events"]] == [
-        (0, "forward"), (1, "forward"), (1, "backward"), (0, "backward"), (0, "step")]
-    assert cp["parts"]["forward"] == 3.0 and cp["parts"]["backward"] == 4.0
-    assert cp["parts"]["step"] == 1.0 and cp["parts"]["host"] == 1.0
-    assert cp["passes"] == 7.0 and cp["gaps"] == 1.0 and cp["wall"] == 9.0
-
-
-def test_critical_path_names_each_gap_by_who_waited_for_whom():
-    """A gap after the same worker's pass is its bookkeeping; after another worker's, a
-    hand-off; before the first pass and after the last, the host's."""
-    tl = Timeline([
-        Event(-1, "host", -1, 0.0, 1.0, -1),
-        Event(0, "forward", 0, 1.0, 2.0, 0), Event(0, "forward", 1, 2.5, 3.5, 0),
-        Event(1, "forward", 0, 2.2, 3.0, 1), Event(1, "forward", 1, 3.9, 4.9, 1),
-        Event(-1, "host", -1, 4.9, 5.5, -1),
-    ], meta={"kind": "gpipe"})
-    cp = tl.critical_path()
-    assert [(e.stage, e.micro_batch) for e in cp["events"]] == [(0, 0), (0, 1), (1, 1)]
-    parts = cp["parts"]
-    assert parts["forward"] == pytest.approx(3.0)
-    assert parts["between passes"] == pytest.approx(0.5)       # F0 mb0 → F0 mb1, one worker
-    assert parts["hand-offs"] == pytest.approx(0.4)            # F0 mb1 → F1 mb1, another's
-    assert parts["host"] == pytest.approx(1.0 + 0.6)
-    assert sum(parts.values()) == pytest.approx(tl.wall_time)
-    one = Timeline(tl.events, meta={"kind": "sharded"}).critical_path()["parts"]
-    assert one["hand-offs"] == 0.0 and one["between passes"] == pytest.approx(0.9)
-
-
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
-def test_a_modeled_call_with_free_hand_offs_is_all_passes_on_its_critical_path(kind):
-    """The model's unit grid: nothing but passes and steps decides when a call ends."""
-    from ipukit.schedules.generators import placement
-    N = 4
-    tl = ipukit.simulate(kind, N, 8, forward_cost=[1.0, 1.5, 1.0, 0.5],
-                         backward_cost=[2.0, 3.0, 2.0, 1.0], step_cost=0.25, iterations=2,
-                         stage_ipus=placement(kind, N, 2) if kind in ("interleaved-1f1b", "zbv")
-                         else None)
-    cp = tl.critical_path()
-    assert cp["gaps"] == pytest.approx(0.0, abs=1e-9)
-    assert cp["passes"] + cp["parts"]["step"] == pytest.approx(tl.wall_time)
-    assert cp["parts"]["step"] == pytest.approx(sum(e.duration for e in tl.host_steps()))
-    assert cp["events"][0].kind == "forward" and cp["events"][0].stage == 0
-
-
-def test_a_measured_calls_critical_path_adds_up_to_its_wall_time(measured):
-    _, tl = measured
-    cp = tl.critical_path()
-    assert sum(cp["parts"].values()) == pytest.approx(tl.wall_time, rel=1e-9)
-    assert sum(cp["shares"].values()) == pytest.approx(1.0)
-    assert cp["passes"] > 0 and all(v >= 0 for v in cp["parts"].values())
-    starts = [e.start for e in cp["events"]]
-    assert starts == sorted(starts)
-    two = Timeline.concat([tl, tl]).critical_path()
-    assert sum(two["parts"].values()) == pytest.approx(2 * tl.wall_time, rel=1e-9)
-
-
 def test_peak_activations_in_flight():
     N, M = 4, 8
     assert ipukit.simulate("gpipe", N, M).peak_in_flight() == {s: M for s in range(N)}
@@ -406,8 +344,9 @@ def test_measured_steps_are_not_busy_time(measured):
 # -- measuring on a CPU whose cores the workers share ------------------------------------------
 
 def test_uncontended_costs_undo_fair_sharing():
-    """4 passes of 1 s each started together on 2 cores: each span lasts 2 s, each did 1 s."""
-    from ipukit.timeline.simulate import uncontended_costs
+    """The benchmarks' replay of a contended run: 4 passes of 1 s each started together on
+    2 cores: each span lasts 2 s, each did 1 s."""
+    from benchmarks.common import uncontended_costs
 
     events = [Event(s, "forward", 0, 0.0, 2.0, s) for s in range(4)]
     events += [Event(s, "backward", 0, 2.0 + s, 3.0 + s, s) for s in range(4)]   # one at a time

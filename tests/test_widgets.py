@@ -230,9 +230,8 @@ def test_alike_blocks_share_their_calibrated_cost():
     table = logic.calibrated_costs(VIT, 4, repeats=2)
     encoders = [i for i, b in enumerate(table.blocks) if b.startswith("Encoder")]
     assert len(encoders) == 8
-    for costs in (table.forward, table.backward, table.graph_walk):
+    for costs in (table.forward, table.backward):
         assert len({costs[i] for i in encoders}) == 1
-    assert {table.weight_calls[i] for i in encoders} == {6}   # six parameter groups each
 
 
 def test_large_calls_are_clipped_for_drawing():

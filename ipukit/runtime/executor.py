@@ -28,7 +28,6 @@ from ..core.ops import running_on_ipu
 from ..compile.program import Program
 from ..schedules.ir import Schedule
 from ..timeline.events import Event, Timeline
-from ..timeline.simulate import pinned_slots
 from .abort import abort_call
 from . import watchdog as stall
 from ..core.errors import StallError
@@ -56,16 +55,15 @@ def worker_cores(workers: int) -> Optional[List[int]]:
     Only with more workers than the cores this process may use (Linux): worker ``i`` then
     runs on core ``i`` mod the cores, so neighbouring lanes (stages that hand tensors to
     each other) sit on different cores. Left to the scheduler, a woken worker is placed
-    beside the one that woke it and waits there while the other core idles: with 4
-    virtual IPUs on 2 cores, pinned calls of the ViT ran 6-7 % faster (GPipe, 1F1B and
-    ZB-H1, paired rounds) and the convnet's within ±3 %; with no more workers than cores,
-    pinning each to its own core changed nothing beyond noise, so they are left free.
-    ``IPUKIT_PIN_WORKERS=0`` turns it off."""
-    if not hasattr(os, "sched_setaffinity"):
+    beside the one that woke it and waits there while another core idles. With no more
+    workers than cores they are left free. ``IPUKIT_PIN_WORKERS=0`` turns it off. Pinning
+    sets the affinity of the worker threads alone, never of the calling thread."""
+    if not hasattr(os, "sched_setaffinity") or os.environ.get("IPUKIT_PIN_WORKERS") == "0":
         return None
     cores = sorted(os.sched_getaffinity(0))
-    slots = pinned_slots(workers, len(cores))
-    return None if slots is None else [cores[i] for i in slots]
+    if workers <= len(cores):
+        return None
+    return [cores[i % len(cores)] for i in range(workers)]
 
 
 def pin_this_thread(core: Optional[int]) -> None:

@@ -299,7 +299,8 @@ class Schedule:
 
 def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
          transfers: Optional[Dict[str, Sequence[float]]] = None, start_time: float = 0.0,
-         cores: Optional[int] = None, replicas: int = 1) -> List[List[List[Tuple[float, float]]]]:
+         cores: Optional[int] = None, replicas: int = 1, exposed: bool = False,
+         hidden: Optional[set] = None) -> List[List[List[Tuple[float, float]]]]:
     """Time every action of ``lanes``; returns ``times[replica][lane]`` = [(start, end), ...].
 
     The rules of a pipeline, in one place: each lane runs its actions in
@@ -315,13 +316,17 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
     ``cores`` limits how many forwards/backwards run at once (a CPU with fewer
     cores than workers); a ready action then waits for a free core, earliest
     ready first. Steps are one host operation and take no core. With
-    ``cores=None`` every worker has its own core and replicas run alike: the
-    same loop then takes ready workers in any order (a stack), since no two
-    compete for anything and the times do not depend on the order.
-    A schedule whose lanes wait on each other forever raises
-    :class:`ScheduleError`.
+    ``cores=None`` every worker has its own core.
+
+    A transfer is latency only by default: the receiver waits, the sender does not. With
+    ``exposed`` the sender is busy sending (its span grows by the transfer), except the
+    actions whose ``(lane, index)`` is in ``hidden`` (a send overlapped with a paired
+    action's compute, as DualPipeV's), which stay latency only.
+
+    A schedule whose lanes wait on each other forever raises :class:`ScheduleError`,
+    naming which lane waits for which action.
     """
-    N = num_stages
+    N, last = num_stages, num_stages - 1
     zero = [0.0] * N
     transfers = transfers or {}
     t_fwd, t_bwd = transfers.get(FORWARD, zero), transfers.get(BACKWARD, zero)
@@ -332,12 +337,12 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
     limited = cores is not None
     if limited and cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
-    copies = replicas if limited else 1
-    n_lanes = len(lanes)
-    workers = [(r, li) for r in range(copies) for li in range(n_lanes)]
+    hidden = hidden or set()
+    copies = replicas if limited else 1       # free cores: every replica runs alike
+    workers = [(r, li) for r in range(copies) for li in range(len(lanes))]
     n_iter, width = 1, 1
     counted: Counter = Counter()   # passes per iteration (steps wait for them, not counted)
-    for lane in lanes:             # column by column, in C: 32,784 actions in 1 ms, not 4
+    for lane in lanes:
         if lane:
             kinds, _, mbs, its = zip(*lane)
             n_iter, width = max(n_iter, max(its) + 1), max(width, max(mbs) + 1)
@@ -345,24 +350,27 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
     remaining: Dict[int, int] = {it: c * copies for it, c in counted.items()}
     flush_end = [start_time] * n_iter
     flushed: List[Optional[float]] = [None] * n_iter
-    if not limited:
-        times, pos = _walk_free(lanes, N, cost, t_fwd, t_bwd, start_time, n_iter, width,
-                                remaining, flush_end, flushed)
-        stuck = [str(lane[p]) for lane, p in zip(lanes, pos) if p < len(lane)]
-        if stuck:
-            raise ScheduleError(_deadlock(lanes, workers, pos, N, stuck))
-        return [times] * replicas
-    # end times, by (kind, replica, stage, iteration * width + micro-batch)
-    fwd = [[[None] * (n_iter * width) for _ in range(N)] for _ in range(copies)]
-    grad = [[[None] * (n_iter * width) for _ in range(N)] for _ in range(copies)]  # B or I
-    igrad = [[[None] * (n_iter * width) for _ in range(N)] for _ in range(copies)]
+    # by (replica, stage, iteration * width + micro-batch): a forward's end, and when its
+    # activation (or a B/I's gradient) reaches the stage that needs it
+    size = n_iter * width
+    own = [[[None] * size for _ in range(N)] for _ in range(copies)]
+    sent = [[[None] * size for _ in range(N)] for _ in range(copies)]
+    grad = [[[None] * size for _ in range(N)] for _ in range(copies)]    # B or I
+    igrad = [[[None] * size for _ in range(N)] for _ in range(copies)]
     waiting: Dict[tuple, List[int]] = {}    # dependency -> workers waiting on it
+    wants: Dict[int, tuple] = {}            # worker -> the dependency it waits on
     times = [[[] for _ in lanes] for _ in range(copies)]
     pos = [0] * len(workers)
     free = [start_time] * len(workers)
     ready: list = []   # (ready time, worker): a heap under limited cores, else a stack
     core_free = [start_time] * cores if limited else None
-    last = N - 1
+
+    def send(kind: str, s: int) -> float:
+        if kind == FORWARD:
+            return t_fwd[s + 1] if s < last else 0.0
+        if kind in (BACKWARD, INPUT_GRAD):
+            return t_bwd[s - 1] if s > 0 else 0.0
+        return 0.0
 
     def dependency(w: int) -> Optional[float]:
         """When worker ``w``'s next action may start, or None (and registered) if not yet known."""
@@ -374,27 +382,28 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
         elif kind == FORWARD:
             if s == 0:
                 return free[w]
-            dep, key = fwd[r][s - 1][k], ("F", r, s - 1, k)
-            dep = None if dep is None else dep + t_fwd[s]
+            dep, key = sent[r][s - 1][k], ("F", r, s - 1, k)
         elif kind == WEIGHT_GRAD:
             dep, key = igrad[r][s][k], ("I", r, s, k)
         else:  # B or I: the gradient from the next stage, and this stage's own forward
-            own = fwd[r][s][k]
-            if own is None:
+            mine = own[r][s][k]
+            if mine is None:
                 dep, key = None, ("F", r, s, k)
             elif s == last:
-                dep, key = own, None
+                dep, key = mine, None
             else:
                 dep, key = grad[r][s + 1][k], ("G", r, s + 1, k)
-                dep = None if dep is None else max(dep + t_bwd[s], own)
+                dep = None if dep is None else max(dep, mine)
         if dep is None:
             waiting.setdefault(key, []).append(w)
+            wants[w] = key
             return None
         return dep if dep > free[w] else free[w]
 
     def queue(w: int) -> None:
         t = dependency(w)
         if t is not None:
+            wants.pop(w, None)
             if limited:
                 heapq.heappush(ready, (t, w))
             else:
@@ -414,6 +423,9 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
         lane = lanes[li]
         kind, s, m, it = lane[pos[w]]
         c = cost[kind][s]
+        out = send(kind, s)
+        if exposed and out and (li, pos[w]) not in hidden:
+            c, out = c + out, 0.0      # the sender is busy sending; it arrives at the end
         if limited and kind != STEP:
             core = heapq.heappop(core_free)
             if core > t:
@@ -426,12 +438,11 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
         if kind != STEP:
             k = it * width + m
             if kind == FORWARD:
-                fwd[r][s][k] = end
+                own[r][s][k] = end
+                sent[r][s][k] = end + out
                 wake(("F", r, s, k))
-            elif kind == WEIGHT_GRAD:
-                pass
-            else:
-                grad[r][s][k] = end
+            elif kind != WEIGHT_GRAD:
+                grad[r][s][k] = end + out
                 wake(("G", r, s, k))
                 if kind == INPUT_GRAD:
                     igrad[r][s][k] = end
@@ -444,147 +455,38 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
                 wake(("S", it))
         if pos[w] < len(lane):
             queue(w)
-    stuck = [str(lanes[li][pos[w]]) for w, (_, li) in enumerate(workers) if pos[w] < len(lanes[li])]
+    stuck = [w for w, (_, li) in enumerate(workers) if pos[w] < len(lanes[li])]
     if stuck:
-        raise ScheduleError(_deadlock(lanes, workers, pos, N, stuck))
+        raise ScheduleError(_deadlock(lanes, workers, pos, wants, stuck, width))
     return times if limited else times * replicas
 
 
-def _walk_free(lanes, N: int, cost: Dict[str, Sequence[float]], t_fwd, t_bwd,
-               start_time: float, n_iter: int, width: int, remaining: Dict[int, int],
-               flush_end: List[float], flushed: List[Optional[float]]):
-    """:func:`walk` with a core per worker: each lane runs until an action waits for
-    another lane's, which wakes it (the times do not depend on the order lanes run in).
-
-    The rules are :func:`walk`'s, written out in one loop over flat arrays with integer
-    keys (a 1F1B call of 16 stages and 1,024 micro-batches is 32,784 actions: the
-    general loop's function calls and tuple keys were most of its 57 ms). Returns
-    ``(times per lane, the position each lane reached)``."""
-    K = n_iter * width
-    size = N * K
-    fwd: List[Optional[float]] = [None] * size      # end of F, by stage * K + slot
-    grad: List[Optional[float]] = [None] * size     # end of B or I
-    igrad: List[Optional[float]] = [None] * size    # end of I
-    waiting: Dict[int, List[int]] = {}              # key -> lanes waiting on it
-    G, IG, S = size, 2 * size, 3 * size             # key offsets: F, G, I, S
-    c_f, c_b, c_i = cost[FORWARD], cost[BACKWARD], cost[INPUT_GRAD]
-    c_w, c_s = cost[WEIGHT_GRAD], cost[STEP]
-    times: List[List[Tuple[float, float]]] = [[] for _ in lanes]
-    pos = [0] * len(lanes)
-    free = [start_time] * len(lanes)
-    last = N - 1
-    todo = list(range(len(lanes) - 1, -1, -1))
-    while todo:
-        li = todo.pop()
-        lane, p, t = lanes[li], pos[li], free[li]
-        n, append = len(lane), times[li].append
-        while p < n:
-            kind, s, m, it = lane[p]
-            k = s * K + it * width + m
-            if kind == FORWARD:
-                if s:
-                    dep = fwd[k - K]
-                    if dep is None:
-                        waiting.setdefault(k - K, []).append(li)
-                        break
-                    dep += t_fwd[s]
-                    if dep > t:
-                        t = dep
-                end = t + c_f[s]
-                fwd[k] = end
-                woken = waiting.pop(k, None)
-            elif kind == STEP:
-                dep = flushed[it]
-                if dep is None:
-                    waiting.setdefault(S + it, []).append(li)
-                    break
-                if dep > t:
-                    t = dep
-                end = t + c_s[s]
-                append((t, end))
-                t = end
-                p += 1
-                continue
-            elif kind == WEIGHT_GRAD:
-                dep = igrad[k]
-                if dep is None:
-                    waiting.setdefault(IG + k, []).append(li)
-                    break
-                if dep > t:
-                    t = dep
-                end = t + c_w[s]
-                woken = None
-            else:  # B or I: this stage's forward, and the next stage's gradient
-                dep = fwd[k]
-                if dep is None:
-                    waiting.setdefault(k, []).append(li)
-                    break
-                if s != last:
-                    g = grad[k + K]
-                    if g is None:
-                        waiting.setdefault(G + k + K, []).append(li)
-                        break
-                    g += t_bwd[s]
-                    if g > dep:
-                        dep = g
-                if dep > t:
-                    t = dep
-                if kind == INPUT_GRAD:
-                    end = t + c_i[s]
-                    igrad[k] = end
-                    woken = waiting.pop(IG + k, None)
-                    if woken:
-                        todo.extend(woken)
-                else:
-                    end = t + c_b[s]
-                grad[k] = end
-                woken = waiting.pop(G + k, None)
-            if woken:
-                todo.extend(woken)
-            append((t, end))
-            t = end
-            p += 1
-            if end > flush_end[it]:
-                flush_end[it] = end
-            left = remaining[it] - 1
-            remaining[it] = left
-            if not left:
-                flushed[it] = flush_end[it]
-                woken = waiting.pop(S + it, None)
-                if woken:
-                    todo.extend(woken)
-        pos[li], free[li] = p, t
-    return times, pos
-
-
-def _deadlock(lanes, workers, pos, num_stages: int, stuck: List[str]) -> str:
-    """Which lane waits at which action for which other action, followed to a cycle."""
+def _deadlock(lanes, workers, pos, wants: Dict[int, tuple], stuck: List[int],
+              width: int) -> str:
+    """Which lane waits at which action for which other action (the dependency
+    :func:`walk` registered), followed to a cycle."""
     home: Dict[tuple, int] = {}
     for li, lane in enumerate(lanes):
         for a in lane:
             home[(a.kind, a.stage, a.micro_batch, a.iteration)] = li
-    at = {li: pos[w] for w, (r, li) in enumerate(workers) if r == 0}
+    lane_worker = {li: w for w, (r, li) in enumerate(workers) if r == 0}
 
     def needed(li: int) -> Optional[Action]:
-        if at.get(li, 0) >= len(lanes[li]):
+        key = wants.get(lane_worker.get(li, -1))
+        if key is None or key[0] == "S":
             return None
-        kind, s, m, it = lanes[li][at[li]]
-        if kind == STEP:
-            return None
-        if kind == FORWARD:
-            return Action(FORWARD, s - 1, m, it) if s > 0 else None
-        if kind == WEIGHT_GRAD:
-            return Action(INPUT_GRAD, s, m, it)
-        if (FORWARD, s, m, it) in home and at.get(home[(FORWARD, s, m, it)], 0) <= \
-                lanes[home[(FORWARD, s, m, it)]].index(Action(FORWARD, s, m, it)):
+        tag, _, s, k = key
+        it, m = divmod(k, width)
+        if tag == "F":
             return Action(FORWARD, s, m, it)
-        if s == num_stages - 1:
-            return None
-        nxt = Action(BACKWARD, s + 1, m, it)
-        return nxt if tuple(nxt) in home else Action(INPUT_GRAD, s + 1, m, it)
+        if tag == "I":
+            return Action(INPUT_GRAD, s, m, it)
+        nxt = Action(BACKWARD, s, m, it)          # "G": the next stage's B, or its I
+        return nxt if tuple(nxt) in home else Action(INPUT_GRAD, s, m, it)
 
+    names = [str(lanes[workers[w][1]][pos[w]]) for w in stuck]
     chain: List[int] = []
-    li = next((k for k in range(len(lanes)) if needed(k) is not None), None)
+    li = next((workers[w][1] for w in stuck if needed(workers[w][1]) is not None), None)
     parts = []
     while li is not None and li not in chain:
         chain.append(li)
@@ -592,14 +494,14 @@ def _deadlock(lanes, workers, pos, num_stages: int, stuck: List[str]) -> str:
         if want is None:
             break
         owner = home.get(tuple(want))
-        parts.append(f"lane {li} waits at {lanes[li][at[li]]} for {want}"
+        parts.append(f"lane {li} waits at {lanes[li][pos[lane_worker[li]]]} for {want}"
                      + (f" (lane {owner})" if owner is not None else " (which no lane runs)"))
         li = owner
     if not parts:
-        return f"schedule deadlocks: lanes wait at {stuck}"
+        return f"schedule deadlocks: lanes wait at {names}"
     text = "schedule deadlocks: " + ", which ".join(
         p if i == 0 else p.split(" ", 2)[2] for i, p in enumerate(parts))
     if li is not None and li in chain:
         text += ": the lanes wait for each other in a cycle"
-    return text + f" (lanes wait at {stuck}); reorder the lanes' actions so that what each " \
+    return text + f" (lanes wait at {names}); reorder the lanes' actions so that what each " \
         "lane waits for can run first"

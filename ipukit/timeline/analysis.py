@@ -5,9 +5,9 @@ measured and modeled timelines answer alike.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 
-from .kinds import BACKWARD_END_KINDS, COMPUTE_KINDS, HOST_KINDS
+from .kinds import COMPUTE_KINDS, HOST_KINDS
 
 if TYPE_CHECKING:
     from .events import Event
@@ -64,91 +64,3 @@ def sweep_idle(marks: List[tuple], start: float, P: int,
             t = time
         active[what] += delta
     return pipeline_time, pipeline_idle
-
-
-#: the parts of a call's critical path (:func:`critical_path`) besides its passes
-PATH_GAPS = ("between passes", "hand-offs", "host")
-
-
-def critical_path(events: Iterable["Event"], start: float, end: float,
-                  one_worker: bool = False) -> Dict[str, Any]:
-    """The chain of events that decided when a call ended, walked back from its last one.
-
-    Each event waited for whichever of its predecessors ended last: its inputs (a forward
-    the stage before's forward of that micro-batch; a backward or input-gradient half its
-    own forward and the next stage's backward of that micro-batch; a weight-gradient half
-    its input-gradient half; a step every pass of its iteration) and the event before it
-    on its track (its worker's previous action). From ``end`` back to ``start`` the path's
-    time splits into its events' own spans (by kind) and the gaps before them: after an
-    event of the same worker (``between passes``: its bookkeeping), after another worker's
-    (``hand-offs``: the wake-up and anything else that delayed it), or before the path's
-    first event and across calls (``host``). ``one_worker``: every track is one worker (a
-    sharded call), so no gap is a hand-off. The parts add up to ``end − start`` exactly
-    (overlapping spans are counted once, where the later one begins).
-    """
-    evs = [e for e in events if e.ipu >= 0 and (e.kind in COMPUTE_KINDS or e.kind == "step")
-           and e.end >= e.start]
-    parts: Dict[str, float] = {k: 0.0 for k in COMPUTE_KINDS + ("step",) + PATH_GAPS}
-    if not evs:
-        parts["host"] = max(0.0, end - start)
-        return {"parts": parts, "events": []}
-    by_key: Dict[tuple, "Event"] = {}
-    track_before: Dict[int, "Event"] = {}
-    flush: Dict[tuple, "Event"] = {}
-    tracks: Dict[tuple, List["Event"]] = {}
-    for e in sorted(evs, key=lambda e: (e.start, e.end)):
-        tracks.setdefault((e.replica, e.ipu), []).append(e)
-        if e.kind == "step":
-            continue
-        by_key[(e.call, e.replica, e.iteration, e.stage, e.kind, e.micro_batch)] = e
-        last = flush.get((e.call, e.iteration))
-        if last is None or e.end > last.end:
-            flush[(e.call, e.iteration)] = e
-    for lane in tracks.values():
-        for a, b in zip(lane, lane[1:]):
-            track_before[id(b)] = a
-
-    def inputs(e: "Event") -> List["Event"]:
-        if e.kind == "step":
-            return [flush[(e.call, e.iteration)]] if (e.call, e.iteration) in flush else []
-        key = (e.call, e.replica, e.iteration)
-        found = []
-        if e.kind == "forward":
-            found.append(by_key.get(key + (e.stage - 1, "forward", e.micro_batch)))
-        elif e.kind == "weight-grad":
-            found.append(by_key.get(key + (e.stage, "input-grad", e.micro_batch)))
-        else:
-            found.append(by_key.get(key + (e.stage, "forward", e.micro_batch)))
-            for kind in ("backward", "input-grad"):
-                found.append(by_key.get(key + (e.stage + 1, kind, e.micro_batch)))
-        return [p for p in found if p is not None and p is not e]
-
-    e = max(evs, key=lambda x: (x.end, x.start))
-    path = []
-    cursor = end
-    parts["host"] += max(0.0, cursor - e.end)
-    cursor = min(cursor, e.end)
-    while True:
-        path.append(e)
-        parts[e.kind] += max(0.0, cursor - e.start)
-        cursor = min(cursor, e.start)
-        mine = track_before.get(id(e))
-        candidates = inputs(e) + ([mine] if mine is not None else [])
-        candidates = [p for p in candidates if p.start < e.start or
-                      (p.start == e.start and p.end < e.end)]   # always back in time
-        if not candidates:
-            break
-        p = max(candidates, key=lambda x: (x.end, x.start))
-        gap = max(0.0, cursor - p.end)
-        if p.call != e.call:
-            where = "host"
-        elif one_worker or (p.replica, p.ipu) == (e.replica, e.ipu):
-            where = "between passes"
-        else:
-            where = "hand-offs"
-        parts[where] += gap
-        cursor = min(cursor, p.end)
-        e = p
-    parts["host"] += max(0.0, cursor - start)
-    path.reverse()
-    return {"parts": parts, "events": path}

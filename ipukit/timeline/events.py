@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
-from .analysis import PATH_GAPS, activity_marks, critical_path, sweep_idle
+from .analysis import activity_marks, sweep_idle
 # the kinds have always been importable from here
 from .kinds import BACKWARD_END_KINDS, COMPUTE_KINDS, HOST_KINDS, KIND_NAMES
 
@@ -366,33 +366,6 @@ class Timeline:
         out["pipeline"] = pipeline_time
         out["shares"] = {k: v / capacity for k, v in parts.items()}
         return out
-
-    def critical_path(self) -> Dict[str, Any]:
-        """What the call's time was made of, along the chain of events that decided its end.
-
-        Walked back from the last pass or step through whichever input or earlier action
-        of the same worker ended last (:func:`~ipukit.timeline.analysis.critical_path`),
-        the wall time splits into ``parts``: the path's passes by kind (``forward``,
-        ``backward``, ``input-grad``, ``weight-grad``), its ``step`` s, and the gaps
-        before them: ``between passes`` (after the same worker's previous action: its
-        bookkeeping), ``hand-offs`` (after another worker's: waking it, or waiting for a
-        core) and ``host`` (before the first pass, after the last, between calls). They
-        add up to :attr:`wall_time`; ``passes`` is the passes' sum and ``shares`` each
-        part as a fraction of the wall time. Measured and modeled calls answer alike, so
-        a model's error splits into its passes and the rest (``benchmarks/calibration.py``).
-        ``events`` is the path, first to last. A sharded call's stages are one worker's: no
-        gap of it is a hand-off.
-        """
-        kind = str(self.meta.get("kind") or self.meta.get("schedule") or "")
-        found = critical_path(self.events, self.start, self.end,
-                              one_worker=kind.startswith("sharded"))
-        parts = found["parts"]
-        wall = self.wall_time
-        return {"wall": wall, "parts": parts,
-                "passes": sum(parts[k] for k in COMPUTE_KINDS),
-                "gaps": sum(parts[k] for k in PATH_GAPS),
-                "shares": {k: (v / wall if wall > 0 else 0.0) for k, v in parts.items()},
-                "events": found["events"]}
 
     def peak_in_flight(self) -> Dict[int, int]:
         """Per stage, the most micro-batches whose activations are held at once (replica 0).

@@ -1,23 +1,22 @@
-"""The schedule model: time a :class:`~ipukit.schedule.Schedule` with given costs.
+"""The schedule model with costs you give: :func:`simulate`.
 
 The model runs the very schedule the executor runs — same lanes, same order,
-same dependencies — with costs instead of work, and returns a
-:class:`~ipukit.Timeline` marked ``modeled``. Costs can be scalars or per-stage
-lists, or come straight from a measured timeline (:func:`costs_from`).
+same dependencies (:func:`ipukit.schedules.ir.walk`) — with costs instead of work, and
+returns a :class:`~ipukit.Timeline` marked ``modeled``. Costs can be scalars or per-stage
+lists, or come straight from a measured timeline (:func:`costs_from`, :func:`model_like`).
+A calibrated machine's costs model a call with :func:`ipukit.timeline.costs.model_call`.
 """
 from __future__ import annotations
 
 import gc
-import heapq
-from collections import Counter
 from contextlib import contextmanager
 from itertools import repeat
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..schedules.build import build
 from ..schedules.ir import (BACKWARD, FORWARD, INPUT_GRAD, STEP, WEIGHT_GRAD, Action, Schedule,
-                            ScheduleError, walk)
-from .events import COMPUTE_KINDS, Event, KIND_NAMES, Timeline
+                            walk)
+from .events import Event, KIND_NAMES, Timeline
 
 Cost = Union[float, Sequence[float]]
 
@@ -26,10 +25,8 @@ Cost = Union[float, Sequence[float]]
 def _gc_paused():
     """Hold off the cyclic garbage collector while building many small tuples.
 
-    The tuples hold no cycles, but allocating tens of thousands of them
-    triggers a full collection over every object torch has created, which
-    costs more than the whole model run (0.15–0.2 s for 16 stages × 1024
-    micro-batches on a 2-core machine).
+    The tuples hold no cycles, but allocating tens of thousands of them triggers full
+    collections over every object torch has created, which cost more than the model.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -50,18 +47,6 @@ def per_stage(value: Cost, n: int, name: str) -> List[float]:
     return values
 
 
-def play(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
-         transfers: Optional[Dict[str, Sequence[float]]] = None,
-         start_time: float = 0.0) -> List[List[Tuple[float, float]]]:
-    """(start, end) of every action, per lane, with one core per worker.
-
-    ``costs[kind][stage]`` is the duration of an action (kind ``"F"``, ``"B"``,
-    ``"I"``, ``"W"``, ``"S"``); ``transfers[kind][stage]`` is added when that
-    action waits on another stage. The rules are :func:`ipukit.schedule.walk`'s.
-    """
-    return walk(lanes, num_stages, costs, transfers, start_time)[0]
-
-
 def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost = 1.0,
              backward_cost: Cost = 2.0, transfer_cost: float = 0.0, host_overhead: float = 0.0,
              step_cost: Cost = 0.0, iterations: int = 1, replicas: int = 1,
@@ -69,7 +54,7 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
              schedule: Optional[Schedule] = None, weight_share: float = 0.5,
              input_grad_cost: Optional[Cost] = None,
              weight_grad_cost: Optional[Cost] = None,
-             exposed_transfers: bool = False) -> Timeline:
+             exposed_transfers: bool = False, cores: Optional[int] = None) -> Timeline:
     """Model one host call of a pipeline and return its (modeled) timeline.
 
     ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"sharded"`` (training) or
@@ -89,7 +74,10 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
     ``exposed_transfers``: a send to another IPU also occupies the sender for
     ``transfer_cost`` (communication not overlapped with compute), except DualPipeV's
     paired forward and backward, whose sends overlap the partner's compute
-    (:func:`play_shared`); by default a transfer is latency only (the receiver waits).
+    (:func:`paired_actions`); by default a transfer is latency only (the receiver waits).
+
+    ``cores``: at most that many forwards/backwards run at once (a CPU with fewer cores
+    than workers); ``None``: one core per worker.
 
     For equal stage costs and no overheads, GPipe's utilisation is exactly
     M / (M + N − 1).
@@ -108,25 +96,24 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
         w_cost = None if weight_grad_cost is None else per_stage(weight_grad_cost, N,
                                                                   "weight_grad_cost")
         costs = split_costs(fwd, bwd, stp, weight_share, i_cost, w_cost)
-        if exposed_transfers and transfer_cost:
-            hidden = paired_actions(schedule.lanes) if schedule.kind == "dualpipev" else None
-            times = play_shared(schedule.lanes, N, costs, {FORWARD: t_fwd, BACKWARD: t_bwd},
-                                start_time=host_overhead, exposed=True, hidden=hidden)[0]
-        else:
-            times = play(schedule.lanes, N, costs, {FORWARD: t_fwd, BACKWARD: t_bwd},
-                         start_time=host_overhead)
+        exposed = bool(exposed_transfers and transfer_cost)
+        hidden = paired_actions(schedule.lanes) if exposed and schedule.kind == "dualpipev" \
+            else None
+        times = walk(schedule.lanes, N, costs, {FORWARD: t_fwd, BACKWARD: t_bwd},
+                     start_time=host_overhead, cores=cores, replicas=replicas,
+                     exposed=exposed, hidden=hidden)
         events = []
         if host_overhead > 0:
             events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
         for replica in range(replicas):
-            for lane, lane_times in zip(schedule.lanes, times):
+            for lane, lane_times in zip(schedule.lanes, times[replica]):
                 events += lane_events(lane, lane_times, ipus, replica)
     meta = {"schedule": schedule.kind, "kind": schedule.kind, "num_stages": N,
             "micro_batches": micro_batches,
             "iterations": iterations, "replicas": replicas,
             "forward_cost": fwd, "backward_cost": bwd, "step_cost": stp,
             "transfer_cost": transfer_cost, "host_overhead": host_overhead,
-            "exposed_transfers": bool(exposed_transfers)}
+            "exposed_transfers": bool(exposed_transfers), "cores": cores}
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)
@@ -134,9 +121,8 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
 
 def lane_events(lane: Sequence[Action], lane_times: Sequence[Tuple[float, float]],
                 ipus: Sequence[int], replica: int, call: int = 0) -> List[Event]:
-    """A lane's actions at their modeled times, as events: built column by column in C
-    (``zip`` and ``map``; 32,784 events in 7 ms where a comprehension building each
-    tuple took 20)."""
+    """A lane's actions at their modeled times, as events, built column by column in C
+    (``zip`` and ``map``: many times faster than a comprehension for long lanes)."""
     if not lane:
         return []
     kinds, stages, mbs, its = zip(*lane)
@@ -169,23 +155,6 @@ def costs_from(timeline: Timeline, statistic: str = "median") -> Dict[str, List[
 
 # -- modeling a measured run "from this machine" -------------------------------------------
 
-def play_on_cores(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
-                  cores: int, transfers: Optional[Dict[str, Sequence[float]]] = None,
-                  start_time: float = 0.0, replicas: int = 1
-                  ) -> List[List[List[Tuple[float, float]]]]:
-    """Like :func:`play`, but at most ``cores`` forwards/backwards run at once.
-
-    A CPU runs one worker per lane and replica; when there are more workers
-    than cores, a ready action waits until a core is free (earliest-ready
-    first). Optimiser steps are one host operation in the executor, so they do
-    not take a core. Returns ``times[replica][lane]`` = (start, end) per
-    action. With enough cores the result equals :func:`play`'s.
-    """
-    if cores < 1:
-        raise ValueError(f"cores must be >= 1, got {cores}")
-    return walk(lanes, num_stages, costs, transfers, start_time, cores=cores, replicas=replicas)
-
-
 def host_spans(measured: Timeline) -> Tuple[float, float]:
     """Host time before the first and after the last device event of a measured call."""
     device = measured.device_events()
@@ -212,8 +181,8 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
     iteration for the whole call: a worker running several stages pays it once.
     With ``host`` the call's set-up and output-gathering spans
     are kept, so wall time and utilisation compare like for like. ``cores``
-    models a CPU that can run at most that many actions at once (see
-    :func:`play_on_cores`); ``None`` means one core per worker.
+    models a CPU that can run at most that many actions at once; ``None`` means one core
+    per worker.
     """
     measured = measured_timeline
     meta = measured.meta
@@ -240,284 +209,17 @@ def model_like(measured_timeline: Timeline, cores: Optional[int] = None, host: b
     c["step"] = [v / k for v, k in zip(c["step"], schedule.stages_in_lane)]
     before, after = host_spans(measured) if host else (0.0, 0.0)
     samples = meta.get("samples")
-    if cores is None:
-        tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],
-                      host_overhead=before, iterations=iterations, replicas=replicas,
-                      samples=samples, schedule=schedule, input_grad_cost=c.get("input-grad"),
-                      weight_grad_cost=c.get("weight-grad"))
-    else:
-        tl = _simulate_on_cores(schedule, c, int(cores), before, replicas, samples)
+    tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],
+                  host_overhead=before, iterations=iterations, replicas=replicas,
+                  samples=samples, schedule=schedule, input_grad_cost=c.get("input-grad"),
+                  weight_grad_cost=c.get("weight-grad"),
+                  cores=None if cores is None else int(cores))
     if after > 0:
         end = tl.end
         tl.events.append(Event(-1, "host", -1, end, end + after, -1, 0, iterations - 1, 0))
     tl.meta.update({"modeled_from": meta.get("call"), "cores": cores, "statistic": statistic,
                     "host_after": after})
     return tl
-
-
-def _simulate_on_cores(schedule: Schedule, c: Dict[str, List[float]], cores: int,
-                       host_overhead: float, replicas: int, samples) -> Timeline:
-    N = schedule.num_stages
-    costs = split_costs(c["forward"], c["backward"], c["step"], 0.5, c.get("input-grad"),
-                        c.get("weight-grad"))
-    ipus = schedule.stage_ipus
-    events = []
-    if host_overhead > 0:
-        events.append(Event(-1, "host", -1, 0.0, host_overhead, -1, 0, 0, 0))
-    with _gc_paused():
-        times = play_on_cores(schedule.lanes, N, costs, cores, start_time=host_overhead,
-                              replicas=replicas)
-        for replica in range(replicas):
-            for lane, lane_times in zip(schedule.lanes, times[replica]):
-                events += [Event(s, KIND_NAMES[kind], m, start, end, ipus[s], replica, it, 0)
-                           for (kind, s, m, it), (start, end) in zip(lane, lane_times)]
-    meta = {"schedule": schedule.kind, "num_stages": N, "micro_batches": schedule.micro_batches,
-            "iterations": schedule.iterations, "replicas": replicas,
-            "forward_cost": c["forward"], "backward_cost": c["backward"], "step_cost": c["step"],
-            "transfer_cost": 0.0, "host_overhead": host_overhead}
-    if samples is not None:
-        meta["samples"] = samples
-    return Timeline(events, modeled=True, meta=meta)
-
-
-# -- cores shared by workers, and sends a worker waits on -------------------------------------
-
-def rate_of(parallelism: Optional[Sequence[float]], k: int) -> float:
-    """Work per second of *each* of ``k`` passes running at once.
-
-    ``parallelism[k - 1]`` is the measured work rate of k concurrent passes on worker
-    threads, in units of one pass where the costs were measured (k passes each at that
-    speed would be k; a worker's fewer intra-op threads, fewer cores, the interpreter lock
-    and the scheduler make it less); beyond the measured list the last value holds.
-    ``None``: every pass its own core at the measured speed.
-    """
-    if not parallelism or k < 1:
-        return 1.0
-    return _total_rate(parallelism, k) / k
-
-
-def _total_rate(parallelism: Sequence[float], k: int) -> float:
-    total = parallelism[k - 1] if k <= len(parallelism) else parallelism[-1]
-    return max(1e-9, min(float(k), float(total)))
-
-
-def play_shared(lanes: List[List[Action]], num_stages: int, costs: Dict[str, Sequence[float]],
-                transfers: Optional[Dict[str, Sequence[float]]] = None, start_time: float = 0.0,
-                parallelism: Optional[Sequence[float]] = None, replicas: int = 1,
-                exposed: bool = False, hidden: Optional[set] = None,
-                lock: Optional[Dict[str, Sequence[float]]] = None, lock_whole: float = 0.0,
-                pinned: Optional[Sequence[int]] = None, in_turn: bool = False,
-                handovers: Optional[Dict[str, Sequence[float]]] = None
-                ) -> List[List[List[Tuple[float, float]]]]:
-    """(start, end) of every action, ``times[replica][lane]``, with cores shared fairly.
-
-    The dependency rules are :func:`ipukit.schedule.walk`'s. Unlike its ``cores=`` mode
-    (a pass waits for a free core, then runs at full speed), passes here share the CPU:
-    while k forwards/backwards run, each advances at ``rate_of(parallelism, k)`` — the
-    calibrated rate of k concurrent passes (:func:`ipukit.calibrate`), which holds what
-    a core count alone leaves out: the interpreter lock a pass holds for its bookkeeping,
-    and the slowdown of more workers than cores. Optimiser steps are the host's and run
-    at full speed. ``parallelism=None`` gives every worker its own core (then the result
-    equals :func:`play`'s).
-
-    ``transfers[kind][stage]`` is the cost of an activation (``"F"``, paid by the stage
-    receiving it) or a gradient (``"B"``) crossing to another IPU. By default it is
-    latency only: the receiver waits, the sender does not. With ``exposed`` the sender's
-    worker is busy sending (its span grows by the transfer) — unless the action's
-    ``(lane, index)`` is in ``hidden``, a send overlapped with a paired action's compute
-    (DualPipeV's paired forward and backward), which is latency only again.
-
-    ``lock[kind][stage]``: the share g of each pass's time that it holds the interpreter
-    lock (:func:`ipukit.balance.lock_share`, measured beside a twin). While passes run at
-    once, each also waits for the lock the others hold: a pass advances at
-    ``rate_of(parallelism, k) × (1 + (k − 1) × lock_whole²) / (1 + g × Σ g_others)``, at
-    most its speed alone, where ``lock_whole`` is the share of the whole-model passes
-    whose rate ``parallelism`` measured (so k whole-model passes still run at that rate,
-    and small Python-bound passes that run together, such as a V schedule's last two
-    stages, slow each other as they do when measured side by side).
-
-    ``handovers[kind][stage]``: the seconds a pass of another worker loses, per second this
-    pass runs beside it, to hand-overs of the interpreter lock (a split backward's ``W``
-    makes a gradient call per parameter group and takes the lock back between them, each
-    time making a waiting neighbour wait for a wake-up: see
-    :meth:`~ipukit.timeline.costs.CostTable.stage_weight_calls`). A running pass advances
-    ``1 + Σ η_j`` times slower, over the passes j of other workers running with it.
-
-    ``pinned[w]``: the core worker ``w`` (replica-major, as the executor numbers them) is
-    pinned to (:func:`pinned_slots`). Then a core is shared only by the passes pinned to
-    it: a pass runs at ``e / n`` with n the passes running on its core and e the
-    calibrated efficiency of k passes at once (``parallelism[k − 1] ÷ min(k, cores)``,
-    at most 1, as measured by k threads pinned the same way). Passes spread evenly over
-    the cores run as without pinning; two on one core while another core idles run at
-    half speed each, where fair sharing over all the cores gave them a core each.
-
-    ``in_turn`` (with ``pinned``): each core runs its passes one at a time, oldest first,
-    each at ``e``; a pass's span starts when it gets the core (a thread that waits for a
-    core has not started its pass). Time slicing (the default) and this are the two ends
-    of what Linux did with two workers on one core: in one process a core's pair of
-    workers shared it in slices, in the next the same pair took turns whole passes at a
-    time (benchmarks/busy_spread.py). The call's time differs by 0.77–1.12× between the two,
-    the busy shares by up to 36 points per IPU (:func:`ipukit.calibrate.model_call`
-    reports both).
-    """
-    N, last = num_stages, num_stages - 1
-    t_fwd, t_bwd = ((transfers or {}).get(k) or [0.0] * N for k in (FORWARD, BACKWARD))
-    cost = {k: costs.get(k) or [0.0] * N for k in (FORWARD, BACKWARD, STEP)}
-    for k in (INPUT_GRAD, WEIGHT_GRAD):    # a split half defaults to half a backward
-        cost[k] = costs.get(k) or [b / 2 for b in cost[BACKWARD]]
-    hidden = hidden or set()
-
-    def send(kind: str, s: int) -> float:
-        if kind == FORWARD:
-            return t_fwd[s + 1] if s < last else 0.0
-        if kind in (BACKWARD, INPUT_GRAD):
-            return t_bwd[s - 1] if s > 0 else 0.0
-        return 0.0
-
-    workers = [(r, li) for r in range(replicas) for li in range(len(lanes))]
-    remaining: Dict[int, int] = {}
-    for lane in lanes:
-        for a in lane:
-            if a[0] != STEP:
-                remaining[a[3]] = remaining.get(a[3], 0) + replicas
-    flush_end: Dict[int, float] = {}
-    flushed: Dict[int, float] = {}
-    own: Dict[tuple, float] = {}      # ("F" | "I", replica, stage, iteration, micro-batch): end
-    avail: Dict[tuple, float] = {}    # ("F" | "G", ...): when the next stage may use it
-    times = [[[] for _ in lanes] for _ in range(replicas)]
-    pos = [0] * len(workers)
-    free = [start_time] * len(workers)
-    waiting = set(w for w, (_, li) in enumerate(workers) if lanes[li])
-    ready: list = []                  # (start time, worker)
-    running: Dict[int, list] = {}     # worker -> [work left, start]  (passes sharing cores)
-    fixed: Dict[int, Tuple[float, float]] = {}   # worker -> (start, end)  (steps; own cores)
-    shared = parallelism is not None
-    share = {k: (lock or {}).get(k) or [0.0] * N for k in cost}
-    handover = {k: (handovers or {}).get(k) or [0.0] * N for k in cost}
-
-    slots = max(pinned) + 1 if pinned else 0
-    in_turn = bool(in_turn and pinned)
-    now_at = [start_time]             # the model's clock, for a pass that gets its core
-
-    def speeds(now_running: Dict[int, list]) -> Dict[int, float]:
-        k = len(now_running)
-        if pinned:
-            on = Counter(pinned[w] for w in now_running)
-            each = min(1.0, _total_rate(parallelism, k) / min(k, slots)) if parallelism else 1.0
-            base = {w: each / on[pinned[w]] for w in now_running}
-            if in_turn:
-                first: Dict[int, int] = {}
-                for w in sorted(now_running, key=lambda w: (now_running[w][1], w)):
-                    first.setdefault(pinned[w], w)
-                k = len(first)       # passes running: one per busy core
-                each = min(1.0, _total_rate(parallelism, k) / k) if parallelism else 1.0
-                base = {w: each if first[pinned[w]] == w else 0.0 for w in now_running}
-                for w in first.values():
-                    if len(now_running[w]) < 4:
-                        now_running[w].append(now_at[0])    # the pass gets its core
-        else:
-            base = dict.fromkeys(now_running, rate_of(parallelism, k))
-        if k < 2:
-            return base
-        if lock:
-            lift = 1 + (k - 1) * lock_whole ** 2
-            total = sum(v[2] for w, v in now_running.items() if base[w] > 0)
-            base = {w: min(1.0, base[w] * lift) / (1 + v[2] * (total - v[2]))
-                    for w, v in now_running.items()}
-        if handovers:
-            eta = {w: handover[lanes[workers[w][1]][pos[w]][0]][lanes[workers[w][1]][pos[w]][1]]
-                   for w in now_running if base[w] > 0}
-            total = sum(eta.values())
-            base = {w: r / (1 + total - eta.get(w, 0.0)) for w, r in base.items()}
-        return base
-
-    def dependency(w: int) -> Optional[float]:
-        r, li = workers[w]
-        kind, s, m, it = lanes[li][pos[w]]
-        if kind == STEP:
-            dep = flushed.get(it)
-        elif kind == FORWARD:
-            dep = free[w] if s == 0 else avail.get(("F", r, s - 1, it, m))
-        elif kind == WEIGHT_GRAD:
-            dep = own.get(("I", r, s, it, m))
-        else:
-            mine = own.get(("F", r, s, it, m))
-            if mine is None or s == last:
-                dep = mine
-            else:
-                g = avail.get(("G", r, s + 1, it, m))
-                dep = None if g is None else max(g, mine)
-        if dep is None:
-            return None
-        return dep if dep > free[w] else free[w]
-
-    def finish(w: int, start: float, end: float) -> None:
-        r, li = workers[w]
-        kind, s, m, it = lanes[li][pos[w]]
-        times[r][li].append((start, end))
-        if kind != STEP:
-            out = send(kind, s)
-            there = end if exposed and (li, pos[w]) not in hidden else end + out
-            if kind == FORWARD:
-                own[("F", r, s, it, m)] = end
-                avail[("F", r, s, it, m)] = there
-            elif kind != WEIGHT_GRAD:
-                avail[("G", r, s, it, m)] = there
-                if kind == INPUT_GRAD:
-                    own[("I", r, s, it, m)] = end
-            flush_end[it] = max(flush_end.get(it, start_time), end)
-            remaining[it] -= 1
-            if remaining[it] == 0:
-                flushed[it] = flush_end[it]
-        pos[w] += 1
-        free[w] = end
-        if pos[w] < len(lanes[li]):
-            waiting.add(w)
-
-    now = start_time
-    inf = float("inf")
-    while True:
-        for w in list(waiting):
-            t = dependency(w)
-            if t is not None:
-                waiting.discard(w)
-                heapq.heappush(ready, (t, w))
-        now_at[0] = now
-        rate = speeds(running) if running else {}
-        t_done = now + min(v[0] / rate[w] for w, v in running.items() if rate[w] > 0) \
-            if running else inf
-        t_fixed = min((e for _, e in fixed.values()), default=inf)
-        t_ready = ready[0][0] if ready else inf
-        nxt = min(t_done, t_fixed, t_ready)
-        if nxt == inf:
-            break
-        if running and nxt > now:
-            for w, v in running.items():
-                v[0] -= (nxt - now) * rate[w]
-        now = max(now, nxt)
-        if running and nxt == t_done:
-            for w in [w for w, v in running.items() if v[0] <= 1e-12 * (1 + abs(now))]:
-                v = running.pop(w)
-                finish(w, v[3] if len(v) > 3 else v[1], now)
-        for w in [w for w, (_, e) in fixed.items() if e <= now]:
-            start, end = fixed.pop(w)
-            finish(w, start, end)
-        while ready and ready[0][0] <= now:
-            t, w = heapq.heappop(ready)
-            r, li = workers[w]
-            kind, s, m, it = lanes[li][pos[w]]
-            work = cost[kind][s]
-            if exposed and kind != STEP and (li, pos[w]) not in hidden:
-                work += send(kind, s)
-            if shared and kind != STEP:
-                running[w] = [work, t, share[kind][s]]
-            else:
-                fixed[w] = (t, t + work)
-    stuck = [str(lanes[li][pos[w]]) for w, (_, li) in enumerate(workers)
-             if pos[w] < len(lanes[li])]
-    if stuck:
-        raise ScheduleError(f"schedule deadlocks: lanes wait at {stuck}")
-    return times
 
 
 def paired_actions(lanes: List[List[Action]]) -> set:
@@ -537,24 +239,6 @@ def paired_actions(lanes: List[List[Action]]) -> set:
     return out
 
 
-# -- costs a contended run's passes would have had alone ----------------------------------------
-
-def pinned_slots(workers: int, cores: Optional[int] = None) -> Optional[List[int]]:
-    """Which of ``cores`` (default :func:`available_cores`) each of ``workers`` worker
-    threads is pinned to, ``i`` mod the cores, or None where the executor leaves them free:
-    with no more workers than cores, where the OS cannot pin a thread, or with
-    ``IPUKIT_PIN_WORKERS=0`` (the rule :func:`ipukit.runtime.executor.worker_cores` applies,
-    and the model shares each core among the workers pinned to it)."""
-    import os
-
-    if not hasattr(os, "sched_setaffinity") or os.environ.get("IPUKIT_PIN_WORKERS") == "0":
-        return None
-    cores = available_cores() if cores is None else int(cores)
-    if cores < 1 or workers <= cores:
-        return None
-    return [i % cores for i in range(workers)]
-
-
 def available_cores() -> int:
     """Cores this process may run on: what the executor shares among its workers.
 
@@ -568,57 +252,3 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
-
-
-def uncontended_costs(timeline: Timeline, cores: Optional[int] = None,
-                      statistic: str = "median") -> Dict[str, List[float]]:
-    """Per-stage costs of ``timeline``'s passes as if each had had a core to itself.
-
-    A measured span is wall time: when more workers run than there are
-    ``cores`` (default :func:`available_cores`), each pass shares a core and
-    its span stretches. This estimates each pass's own work by integrating,
-    over its span, the share of a core it had — ``min(1, cores / running)``
-    where ``running`` counts the forwards and backwards in progress — which
-    holds when workers share cores fairly (one intra-op thread each, as the
-    executor sets them). Returns ``Timeline.stage_costs()``'s dict, ready for
-    ``model_like(measured, cores=cores, costs=...)``: replaying these costs
-    on ``cores`` cores models the contention once, not twice.
-    """
-    import statistics as stats
-
-    cores = available_cores() if cores is None else int(cores)
-    if cores < 1:
-        raise ValueError(f"cores must be >= 1, got {cores}")
-    passes = [e for e in timeline.device_events() if e.kind in COMPUTE_KINDS]
-    marks = sorted([(e.start, 1) for e in passes] + [(e.end, -1) for e in passes])
-    # cumulative core-seconds a running pass has received, at each mark
-    times, credit = [], []
-    running, total, t = 0, 0.0, None
-    for time, delta in marks:
-        if t is not None and time > t and running:
-            total += (time - t) * min(1.0, cores / running)
-        times.append(time)
-        credit.append(total)
-        running += delta
-        t = time
-    import bisect
-
-    def received(a: float) -> float:
-        i = bisect.bisect_right(times, a) - 1
-        return credit[i] if i >= 0 else 0.0
-
-    agg = getattr(stats, statistic)
-    stages = sorted({e.stage for e in timeline.device_events() if e.stage >= 0})
-    own: Dict[tuple, List[float]] = {}
-    for e in passes:
-        own.setdefault((e.kind, e.stage), []).append(received(e.end) - received(e.start))
-    out: Dict[str, List[float]] = {"forward": [], "backward": [], "step": []}
-    steps = timeline.stage_costs(statistic)["step"]
-    split = any(e.kind == "input-grad" for e in passes)
-    for kind in ("forward", "backward") + (("input-grad", "weight-grad") if split else ()):
-        out[kind] = [agg(own[(kind, s)]) if own.get((kind, s)) else 0.0 for s in stages]
-    if split:  # a stage's backward, when it ran split: its two halves
-        out["backward"] = [b or i + w for b, i, w in
-                           zip(out["backward"], out["input-grad"], out["weight-grad"])]
-    out["step"] = list(steps)
-    return out

@@ -245,32 +245,13 @@ def utilisation_figure(timeline_or_utilisation_dict: Union[Timeline, Mapping[str
             speed = f"{source.time_per_step() * 1e3:.2f} ms per {per} · "
             if source.meta.get("samples"):
                 speed += f"{source.throughput():,.0f} samples/s · "
-    # more workers than cores: each IPU's modeled share spans what the OS may do with a
-    # core's workers (passes in turn to slices, ``busy_range``), drawn as a whisker
-    ranged = source.meta.get("busy_range") if isinstance(source, Timeline) else None
-    whisker = {}
-    if ranged and set(ranged) == set(per_ipu):
-        lows = [100.0 * ranged[k][0] for k in per_ipu]
-        highs = [100.0 * ranged[k][1] for k in per_ipu]
-        whisker = dict(error_y=dict(type="data", symmetric=False,
-                                    array=[max(0.0, h - v) for h, v in zip(highs, values)],
-                                    arrayminus=[max(0.0, v - lo) for lo, v in zip(lows, values)],
-                                    color="#555555", thickness=1.2, width=6),
-                       customdata=[[lo, h] for lo, h in zip(lows, highs)],
-                       hovertemplate="%{x}: %{y:.1f}% (modeled range %{customdata[0]:.0f}–"
-                                     "%{customdata[1]:.0f}%: passes in turn to time slices)"
-                                     "<extra></extra>")
-        heading_note = "whiskers: the OS's choice between a core's workers"
-    else:
-        heading_note = ""
     heading = (title or "Utilisation per virtual IPU") + label
     if overall is not None:
         heading += (f"<br><sup>{speed}overall {100 * overall:.1f}% busy · "
-                    f"idle {100 * (1 - overall):.1f}%"
-                    + (f" · {heading_note}" if heading_note else "") + "</sup>")
+                    f"idle {100 * (1 - overall):.1f}%</sup>")
     fig = go.Figure(go.Bar(x=names, y=values, text=[f"{v:.0f}%" for v in values],
                            textposition="outside", marker_color="#3a9a4b", name="utilisation",
-                           **(whisker or {"hovertemplate": "%{x}: %{y:.1f}%<extra></extra>"})))
+                           hovertemplate="%{x}: %{y:.1f}%<extra></extra>"))
     if overall is not None and names:
         fig.add_hline(y=100 * overall, line=dict(dash="dash", color="#555555", width=1),
                       annotation_text=f"overall {100 * overall:.1f}%",

@@ -335,9 +335,8 @@ def is_calibrated(model, micro_batch_size: int, repeats: int = CALIBRATION_REPEA
 def calibrated_costs(model, micro_batch_size: int, repeats: int = CALIBRATION_REPEATS) -> CostTable:
     """``model``'s cost table on this machine at ``micro_batch_size``, from
     :func:`ipukit.calibrate` (each block timed alone, the pass and hand-off costs, one
-    AdamW step); blocks the spec says are ``alike`` get their group's median (their costs
-    and graph walks). Paid once per model spec and micro-batch size in a process: the same
-    table comes back after.
+    AdamW step); blocks the spec says are ``alike`` get their group's median. Paid once
+    per model spec and micro-batch size in a process: the same table comes back after.
     Its ``notes["source"]`` says where it came from."""
     import statistics
 
@@ -352,7 +351,7 @@ def calibrated_costs(model, micro_batch_size: int, repeats: int = CALIBRATION_RE
                       repeats=repeats, optimizer=AdamW(module.parameters()))
     index = {b: i for i, b in enumerate(table.blocks)}
     changes: Dict[str, Any] = {"notes": {**table.notes, "source": "costs calibrated on this machine"}}
-    for name in ("forward", "backward", "input_grad", "weight_grad", "graph_walk"):
+    for name in ("forward", "backward", "input_grad", "weight_grad"):
         values = getattr(table, name, None)
         if values is None:
             continue
