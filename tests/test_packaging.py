@@ -2,11 +2,13 @@
 with no extra installed), the extras the README names exist, and constraints.txt (the
 pins ./test.sh and ./start.sh install) lies inside pyproject's ranges.
 
-Offline and fast: the wheel metadata is built by setuptools' own backend in a subprocess
+The resolution checks at the end (marked `network`) ask PyPI and skip without it; the rest
+is offline and fast: the wheel metadata is built by setuptools' own backend in a subprocess
 (the PEP 517 ``prepare_metadata_for_build_wheel`` hook, what pip calls before resolving),
 so nothing is downloaded and no stale installed metadata is read."""
 import email.parser
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -172,8 +174,10 @@ def test_extras_install_what_their_features_import(metadata):
     notebooks = _closure(metadata, "notebooks")
     assert {"plotly", "numpy", "torchvision", "tqdm", "pytorch-lightning", "jupyterlab",
             "ipywidgets", "anywidget", "ipykernel"} <= notebooks
-    assert notebooks | {"torchgpipe", "pytest", "pytest-timeout", "nbval", "jsonschema",
-                        "playwright"} <= _closure(metadata, "test")
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings"} <= _closure(metadata, "docs")
+    assert notebooks | _closure(metadata, "docs") | {
+        "torchgpipe", "pytest", "pytest-timeout", "nbval", "jsonschema",
+        "playwright"} <= _closure(metadata, "test")
 
 
 def test_constraints_pin_versions_inside_the_ranges():
@@ -222,3 +226,131 @@ def test_the_process_runtime_names_its_extra_when_numpy_is_missing(tmp_path):
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert 'pip install "ipukit[distributed]"' in out.stdout
+
+
+# --- IPUKIT_USE_INSTALLED_TORCH (scripts/env.sh): the constraints that keep an installed
+# torch come from scripts/torch_pins.py, run here exactly as env.sh runs it.
+
+TORCH_PINS = os.path.join(ROOT, "scripts", "torch_pins.py")
+TORCH_COUPLED = ("torch", "torchvision", "torchaudio", "triton", "setuptools")
+
+
+def _coupled(name):
+    return name in TORCH_COUPLED or name.startswith(("nvidia-", "cuda-", "pytorch-triton"))
+
+
+def _pins_of(text):
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            pins[canonicalize_name(req.name)] = str(next(iter(req.specifier)).version)
+    return pins
+
+
+def _torch_pins(*args, env=None):
+    return subprocess.run([sys.executable, TORCH_PINS, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_filtered_constraints_drop_every_torch_coupled_pin_and_keep_the_rest():
+    full = {name: str(v) for name, v in _constraints().items()}
+    proc = _torch_pins("constraints", "--torch", "2.11.0")
+    assert proc.returncode == 0, proc.stderr
+    kept = _pins_of(proc.stdout)
+    assert kept.pop("torch") == "2.11.0"
+    assert not [n for n in kept if _coupled(n)], kept
+    assert kept == {n: v for n, v in full.items() if not _coupled(n)}
+    dropped = set(full) - set(kept)
+    assert {"torch", "torchvision", "triton", "setuptools", "nvidia-cudnn-cu13",
+            "cuda-bindings"} <= dropped
+
+
+def _fake_dist(site, name, version, requires=()):
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def _installed(site, out):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(site)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    return _torch_pins("installed", str(out), env=env)
+
+
+def test_installed_torch_outside_the_range_is_refused_with_the_fix(tmp_path):
+    _fake_dist(tmp_path / "site", "torch", "2.10.0")
+    proc = _installed(tmp_path / "site", tmp_path / "c.txt")
+    assert proc.returncode != 0
+    torch_range = _pyproject()["project"]["dependencies"][0]
+    for words in ("IPUKIT_USE_INSTALLED_TORCH", "2.10.0", torch_range, "unset"):
+        assert words in proc.stderr, (words, proc.stderr)
+    assert not (tmp_path / "c.txt").exists()
+
+
+@pytest.mark.parametrize("vision, vision_torch, kept", [
+    ("0.26.0", "2.11.0", True),    # built for this torch: kept
+    ("0.29.1", "2.14.1", False),   # built for another: pip picks one
+])
+def test_installed_torch_is_pinned_and_a_matching_torchvision_kept(tmp_path, vision,
+                                                                   vision_torch, kept):
+    _fake_dist(tmp_path / "site", "torch", "2.11.0")
+    _fake_dist(tmp_path / "site", "torchvision", vision,
+               ["numpy", f"torch=={vision_torch}", "pillow!=8.3.*,>=5.3.0"])
+    proc = _installed(tmp_path / "site", tmp_path / "c.txt")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"torch 2.11.0 from {os.path.realpath(tmp_path / 'site')}"
+    pins = _pins_of((tmp_path / "c.txt").read_text())
+    assert pins["torch"] == "2.11.0"
+    assert pins.get("torchvision") == (vision if kept else None)
+    assert not kept or "does not go with" not in proc.stderr
+
+
+def _index_reachable():
+    import urllib.request
+    url = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/") + "/pip/"
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except Exception:  # noqa: BLE001 - offline, proxied away, DNS: all mean "skip"
+        return False
+
+
+# A Linux x86_64 box (glibc 2.28) as pip's --platform sees it: older pips take the tags
+# listed, not the ones a manylinux_2_28 platform implies.
+LINUX_TAGS = [f"manylinux_2_{minor}_x86_64" for minor in range(28, 4, -1)] + [
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+
+
+@pytest.mark.network
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("python, torch, torchvision", [
+    ("3.12", "2.11", "0.26"),
+    ("3.13", "2.14", "0.29"),
+])
+def test_notebooks_extra_resolves_against_an_installed_torch(tmp_path, python, torch,
+                                                             torchvision):
+    """What IPUKIT_USE_INSTALLED_TORCH=1 asks pip for on a GPU box whose Python and torch
+    differ from constraints.txt's: the notebooks extra, the filtered constraints, the
+    box's torch; pip (dry run, PyPI's wheels for that Python on Linux) must resolve it."""
+    if not _index_reachable():
+        pytest.skip("the package index (PyPI) is unreachable: this check needs it")
+    proc = _torch_pins("constraints", "--torch", f"{torch}.*")
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "constraints.txt").write_text(proc.stdout)
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+           "--quiet", "--disable-pip-version-check", "--no-input",
+           "--only-binary=:all:", "--implementation", "cp", "--python-version", python,
+           *(arg for tag in LINUX_TAGS for arg in ("--platform", tag)),
+           "--target", str(tmp_path / "target"), "--report", str(tmp_path / "report.json"),
+           "-c", str(tmp_path / "constraints.txt"), f"torch=={torch}.*", ".[notebooks]"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "report.json", encoding="utf-8") as f:
+        chosen = {canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+                  for item in json.load(f)["install"]}
+    assert chosen["torch"].startswith(f"{torch}."), chosen["torch"]
+    assert chosen["torchvision"].startswith(f"{torchvision}."), chosen["torchvision"]
+    assert "ipukit" in chosen and {"jupyterlab", "pytorch-lightning"} <= set(chosen)
