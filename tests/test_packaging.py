@@ -24,7 +24,7 @@ from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_EXTRAS = ("viz", "examples", "lightning", "hub", "distributed", "notebooks", "test",
-                 "bench")
+                 "bench", "docs")
 
 
 def _pyproject():
