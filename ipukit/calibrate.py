@@ -39,7 +39,6 @@ import json
 import os
 import resource
 import statistics
-import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -47,7 +46,7 @@ import torch
 
 from .balance import as_args, discover_blocks, measure_split_blocks
 from .runtime.gpu_clock import on_device_of, settle
-from .runtime.workers import Exchange
+from .runtime.workers import Exchange, Pool
 from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re-exported)
 from .timeline.simulate import available_cores, host_spans
 
@@ -99,31 +98,15 @@ def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = Non
             compute()
             box.take(("ready", i))
 
-    threads = [threading.Thread(target=f, name=f"ipukit-calibrate-handoff-{f.__name__}",
-                                daemon=True) for f in (receive, send)]
-    for t in threads:
-        t.start()
+    pool = Pool(["ipukit-calibrate-handoff-receive", "ipukit-calibrate-handoff-send"],
+                lambda i: (receive, send)[i](), on_error=box.abort).start()
     try:
-        _join(threads)
+        pool.join()
     finally:
         box.abort()
-        for t in threads:
-            t.join()
+    if pool.error is not None:
+        raise pool.error
     return statistics.median(waits[messages // 10:]) if waits else 0.0
-
-
-def _join(threads: Sequence[threading.Thread]) -> None:
-    """Wait for ``threads`` in short joins, so Ctrl-C is seen; on Ctrl-C wait for them all
-    the same (they leave the model as it was) and raise it then."""
-    interrupted = False
-    for t in threads:
-        while t.is_alive():
-            try:
-                t.join(0.05)
-            except KeyboardInterrupt:
-                interrupted = True
-    if interrupted:
-        raise KeyboardInterrupt
 
 
 def _forward_of(model: torch.nn.Module, args) -> Callable[[], object]:
@@ -199,19 +182,10 @@ def _scalar_loss(out) -> Optional[torch.Tensor]:
 def _run_on_worker(work: Callable[[], None], name: str) -> None:
     """``work()`` on a thread of its own; Ctrl-C waits for it (it leaves the model as it
     was), and what it raises is raised again here."""
-    failed: list = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # raised again on the calling thread
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    _join([thread])
-    if failed:
-        raise failed[0]
+    pool = Pool([name], lambda i: work()).start()
+    pool.join()
+    if pool.error is not None:
+        raise pool.error
 
 
 def _pass_gap(timelines) -> float:

@@ -339,10 +339,7 @@ class PoplarExecutor:
 
     # -- compilation -----------------------------------------------------------
     def _batching(self) -> microbatch.Batching:
-        o = self._options
-        return microbatch.Batching(o.device_iterations,
-                                   o.Training.gradient_accumulation if self._training else 1,
-                                   o.replication_factor)
+        return microbatch.Batching.of(self._options, self._training)
 
     def compile(self, *args, **kwargs) -> None:
         """Trace and partition the model for these inputs without running it (after

@@ -307,3 +307,23 @@ def test_a_calibration_beside_busy_processes_is_close_or_marked_uncertain():
     notes = model_call(loaded, "1f1b", even_split(loaded.blocks, 2), 8).meta["notes"]
     assert bool(loaded.uncertain) == any("uncertain calibration" in n for n in notes)
 
+
+
+def test_a_measured_call_is_set_beside_its_model_in_one_plain_sentence():
+    from ipukit import Timeline
+    from ipukit.timeline.costs import agreement
+
+    t = table(cores=2)
+    modeled = model_call(t, "1f1b", even_split(t.blocks, 2), 4)
+
+    def measured(factor):
+        return Timeline([e._replace(start=e.start * factor, end=e.end * factor)
+                         for e in modeled.events], meta=dict(modeled.meta))
+
+    assert agreement(measured(1.05), modeled).startswith("measured ÷ modeled: 1.05 — the "
+                                                         "calibrated costs held")
+    slow = agreement(measured(1.5), modeled)
+    assert "1.50" in slow and "50% longer" in slow and "passes running at once" in slow
+    assert "faster than when it was calibrated" in agreement(measured(0.5), modeled)
+    shaky = model_call(table(uncertain=["busy"]), "sharded", even_split(t.blocks, 2), 4)
+    assert "marked uncertain" in agreement(measured(1.5), shaky)

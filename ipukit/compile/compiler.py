@@ -31,9 +31,7 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
     """The Program for ``model`` called with these (flattened) inputs under ``opts``."""
     started = time.perf_counter()
     check_batching_values(opts)
-    batching = microbatch.Batching(opts.device_iterations,
-                                   opts.Training.gradient_accumulation if training else 1,
-                                   opts.replication_factor)
+    batching = microbatch.Batching.of(opts, training)
     names = input_names(model, args, kwargs)
     check_inputs(names, flat)
     micro = microbatch.split(flat, batching, names)

@@ -24,6 +24,14 @@ class Batching:
     gradient_accumulation: int
     replicas: int
 
+    @classmethod
+    def of(cls, opts, training: bool) -> "Batching":
+        """The batching ``opts`` give a training (or inference) model: the one place Options
+        become a call's shape (inference accumulates nothing)."""
+        return cls(opts.device_iterations,
+                   opts.Training.gradient_accumulation if training else 1,
+                   opts.replication_factor)
+
     @property
     def steps(self) -> int:
         """Micro-batches per replica in one call (DI × GA)."""

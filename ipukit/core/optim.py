@@ -435,12 +435,23 @@ class _BiasCorrection:
     """PopTorch's ``bias_correction`` switch for Adam and AdamW (torch.optim's are always on)."""
 
     _decoupled_weight_decay = False
+    _torch_class = torch.optim.Adam        #: the torch.optim class the optimiser is
 
-    def _init_bias_correction(self, bias_correction) -> None:
+    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
+                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
+                 bias_correction=None, **ipu) -> None:
+        kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                amsgrad=amsgrad, foreach=foreach, maximize=maximize,
+                                capturable=capturable, differentiable=differentiable, fused=fused,
+                                **ipu))
+        self._torch_class.__init__(self, params, **kw)
+        self._init_ipu(extra)
         self.bias_correction = True if bias_correction is None else bool(bias_correction)
         if not self.bias_correction and any(g.get("amsgrad") for g in self.param_groups):
             raise OptionsError(f"{type(self).__name__}(bias_correction=False, amsgrad=True): "
                                "ipukit implements bias_correction=False without amsgrad only.")
+        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                   amsgrad=amsgrad, bias_correction=bias_correction, **ipu))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -478,38 +489,15 @@ class Adam(_BiasCorrection, _IpuArguments, torch.optim.Adam):
     """``torch.optim.Adam`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``,
     ``bias_correction``)."""
 
-    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
-                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
-                 bias_correction=None, **ipu) -> None:
-        kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                amsgrad=amsgrad, foreach=foreach, maximize=maximize,
-                                capturable=capturable, differentiable=differentiable, fused=fused,
-                                **ipu))
-        torch.optim.Adam.__init__(self, params, **kw)
-        self._init_ipu(extra)
-        self._init_bias_correction(bias_correction)
-        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   amsgrad=amsgrad, bias_correction=bias_correction, **ipu))
+    _torch_class = torch.optim.Adam
 
 
 class AdamW(_BiasCorrection, _IpuArguments, torch.optim.AdamW):
     """``torch.optim.AdamW`` (+ PopTorch's ``loss_scaling``, ``*_accum_type``, ``max_grad_norm``,
     ``bias_correction``)."""
 
+    _torch_class = torch.optim.AdamW
     _decoupled_weight_decay = True
-
-    def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
-                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
-                 bias_correction=None, **ipu) -> None:
-        kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                amsgrad=amsgrad, foreach=foreach, maximize=maximize,
-                                capturable=capturable, differentiable=differentiable, fused=fused,
-                                **ipu))
-        torch.optim.AdamW.__init__(self, params, **kw)
-        self._init_ipu(extra)
-        self._init_bias_correction(bias_correction)
-        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   amsgrad=amsgrad, bias_correction=bias_correction, **ipu))
 
 
 class RMSprop(_IpuArguments, torch.optim.RMSprop):

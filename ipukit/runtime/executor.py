@@ -129,9 +129,10 @@ class CallRunner:
                                                micro_inputs) if memory_track.tracking(plan) else None)
         self.memory_tracks: list = []
         self.chain: Optional[fused.Chain] = None  # a sharded call's micro-batches (_run_inline)
-        #: intra-op threads of each worker thread (a call on one thread keeps the caller's)
+        #: intra-op threads of each worker thread (a call on one thread keeps the caller's,
+        #: unless cpuThreadsPerIpu says otherwise: then its host work runs at that count too)
         self.threads_each = (plan.threads_per_worker or default_threads(self.workers)
-                             if self.workers > 1 else None)
+                             if self.workers > 1 else plan.threads_per_worker)
 
     @contextlib.contextmanager
     def host_threads(self):

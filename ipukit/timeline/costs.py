@@ -211,3 +211,24 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     if samples is not None:
         meta["samples"] = samples
     return Timeline(events, modeled=True, meta=meta)
+
+
+def agreement(measured: Timeline, modeled: Timeline) -> str:
+    """One plain sentence: how long the measured call took against the same call modeled,
+    and the likeliest reason where they differ by more than a tenth."""
+    if modeled.wall_time <= 0 or measured.wall_time <= 0:
+        return "measured ÷ modeled: nothing to compare"
+    r = measured.wall_time / modeled.wall_time
+    said = f"measured ÷ modeled: {r:.2f}"
+    if abs(r - 1) <= 0.10:
+        return said + " — the calibrated costs held for this call"
+    if modeled.meta.get("uncertain"):
+        why = "the calibration was marked uncertain"
+    elif r < 1:
+        why = "the machine ran faster than when it was calibrated"
+    elif any(n.startswith("modeled: passes") for n in modeled.meta.get("notes", ())):
+        why = "passes running at once slowed each other more than the core count alone says"
+    else:
+        why = "the machine ran slower than when it was calibrated (other work on it?)"
+    return f"{said} — the call took {abs(r - 1):.0%} {'longer' if r > 1 else 'less'} than " \
+        f"modeled: {why}"

@@ -18,6 +18,7 @@ with needs_extra("viz", "ipukit.plots"):
     from plotly.subplots import make_subplots
 
 from ..schedules.registry import title_of
+from ..timeline.costs import agreement
 from ..timeline.events import COMPUTE_KINDS, Timeline
 
 # PopVision's convention: forward passes green, backward passes red.
@@ -201,7 +202,9 @@ def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
         fig.add_annotation(text="Model: " + "<br>".join(notes), xref="paper", yref="paper",
                            x=0.0, y=-0.06, xanchor="left", yanchor="top", showarrow=False,
                            align="left", font=dict(size=10, color="#555"))
-    fig.update_layout(title=dict(text="Measured vs modeled"), barmode="overlay", bargap=0.25,
+    fig.update_layout(title=dict(text="Measured vs modeled<br><sup>"
+                                 + agreement(measured, modeled) + "</sup>"),
+                      barmode="overlay", bargap=0.25,
                       font=_FONT, template="plotly_white",
                       height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1])))
                       + 30 * len(notes),

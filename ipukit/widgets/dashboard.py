@@ -15,6 +15,7 @@ with needs_extra("notebooks", "ipukit.widgets"):
     import ipywidgets as W
     import plotly.graph_objects as go
 
+from ..timeline.costs import agreement
 from ..viz import plots
 from . import logic
 from .comparison import ScheduleRow
@@ -119,7 +120,8 @@ class Dashboard:
         else:
             figure = plots.compare_figure(drawn, logic.clip_for_drawing(modeled)[0])
             figure.update_layout(title=dict(
-                text=f"{title}: measured, and modeled from the calibrated costs"))
+                text=f"{title}: measured, and modeled from the calibrated costs<br><sup>"
+                     f"{agreement(timeline, modeled)}</sup>"))
         self._draw({
             "measured utilisation": plots.utilisation_figure(
                 timeline, title=f"Utilisation per virtual IPU (call {call})"),
