@@ -164,7 +164,7 @@ def anchor(s: Sizes) -> dict:
     cost, floor = median([c for c, _ in both]), median([f for _, f in both])  # OS's pace drifts
     details["hand_off_s"], details["wake_up_s"] = cost, floor
     rows += [row("anchor", "one hand-off between worker threads", cost * 1e6, "µs", "≤ 15",
-                 cost * 1e6 <= 15, "put + take through ipukit.workers.Exchange, ping-pong"),
+                 cost * 1e6 <= 15, "put + take through ipukit.runtime.workers.Exchange, ping-pong"),
              row("anchor", "one hand-off through two bare locks (the OS's wake-up)", floor * 1e6,
                  "µs", note="no mailbox at all: the floor under any hand-off between threads "
                  f"on this machine (median of 5 rounds, interleaved with the Exchange's)")]

@@ -74,7 +74,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="output folder (default: benchmarks/ for full runs; required with --smoke)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of the main thread (sharded, single-stage and plain "
-                   "PyTorch steps, the optimiser step); default 1, see README")
+                   "PyTorch steps, the optimiser step); default 1, see benchmarks/README.md")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each benchmark, wait up to SECONDS for the CPUs to be at least "
                    f"{IDLE:.0%}% idle over {WINDOW:.0f} s (a machine shared with other work); "

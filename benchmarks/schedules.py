@@ -12,7 +12,7 @@ the benchmark reports the median measured step time and the step time
 ipukit's model gives for that very call on this machine's cores (the call's
 own passes, with the contention of sharing the cores taken out by
 :func:`benchmarks.common.uncontended_costs`, replayed on
-:func:`ipukit.simulate.available_cores` cores). ``model ÷ measured`` is the
+:func:`ipukit.timeline.simulate.available_cores` cores). ``model ÷ measured`` is the
 measured utilisation over the modeled one (the same passes in both); the issue's
 goal is ≥ 0.9. The winner of each P is the fastest measured schedule.
 

@@ -55,7 +55,7 @@ def overhead(s: Sizes) -> dict:
             row("overhead", "undoable call: one copy of weights, buffers, optimiser state",
                 one["undo_copy"] * 1e6, "µs",
                 note=f"{one['undo_copy'] / one['plain']:.1%} of the plain step, timed alone; a "
-                "failed call restores from it (the README's promise), so every call pays it"),
+                "failed call restores from it (docs/errors.md's promise), so every call pays it"),
             row("overhead", "fixed cost per call (4×4 linear model)", fixed["extra"] * 1e6, "µs",
                 note=f"ipukit {fixed['ipukit'] * 1e6:.0f} µs vs plain {fixed['plain'] * 1e6:.0f} µs"
                 f"; without recording {fixed['ipukit_norec'] * 1e6:.0f} µs")]

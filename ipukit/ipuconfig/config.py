@@ -25,7 +25,7 @@ accepted and have no effect: :meth:`IPUConfig.ignored_settings` lists the ones
 a configuration sets, and :meth:`IPUConfig.to_options` records the ones that
 have a PopTorch setter under ``"ignored"`` in ``Options.toDict()``.
 
-Older Hub files (see the README's "IPUConfig" section): ``optimum_version`` and
+Older Hub files (see docs/ipuconfig.md, "Attributes and rules"): ``optimum_version`` and
 ``transformers_version`` are metadata and are dropped;
 ``enable_half_first_order_momentum`` and ``sharded_execution_for_inference`` are
 deprecated, dropped with a warning (as optimum did); a serialisation factor of
@@ -60,8 +60,8 @@ class IPUConfig:
     >>> get_layer_ipu(config, 8)
     [0, 0, 1, 1, 2, 2, 3, 3]
 
-    Every keyword is an attribute (see the README's "IPUConfig" section for the
-    full list and defaults); an unknown keyword is an :class:`IncompatibleIPUConfigError`.
+    Every keyword is an attribute (see docs/ipuconfig.md, "Attributes and rules", for
+    the full list and defaults); an unknown keyword is an :class:`IncompatibleIPUConfigError`.
     This class holds the attributes, their checks on assignment, the
     training/inference modes and every public method. Its helpers: the rules in
     :mod:`.rules`, files and the Hub in :mod:`.io`, the conversion to Options in
@@ -153,7 +153,7 @@ class IPUConfig:
         close = difflib.get_close_matches(name, ATTRIBUTES, n=1, cutoff=0.6)
         raise UnknownOptionError(
             f"IPUConfig has no attribute {name!r}." + (f" Did you mean {close[0]!r}?" if close
-                                                       else " See the README's IPUConfig section."))
+                                                       else " See docs/ipuconfig.md."))
 
     # -- modes -------------------------------------------------------------------
     @property
@@ -479,7 +479,7 @@ def recomputation_checkpoint(module: torch.nn.Module) -> RecomputationHandle:
     recomputed during the backward pass. This happens per module where it runs
     eagerly (plain PyTorch, single-stage ipukit models); in a model traced into
     several stages, the whole stage holding the module recomputes (a traced
-    stage is one graph; see the README). Returns a handle whose ``remove()``
+    stage is one graph; see docs/ipuconfig.md). Returns a handle whose ``remove()``
     undoes it.
     """
     if not isinstance(module, torch.nn.Module):

@@ -134,7 +134,7 @@ def check_value(name: str, value: Any) -> None:
         allowed = _TYPE_WORDS[kind.rstrip("?")] + (" or None" if kind.endswith("?") else "")
         raise IPUConfigTypeError(
             f"IPUConfig.{name} = {value!r}: expected {allowed}, got {type(value).__name__}. "
-            f"Set {name} to {allowed} (see the README's IPUConfig section).")
+            f"Set {name} to {allowed} (see docs/ipuconfig.md).")
     if value is None:
         return
     if minimum is not None:

@@ -44,7 +44,7 @@ def held_per_ipu(timeline: Timeline, stage_ipus) -> List[float]:
 
     Counted in units of one stage's activations of one micro-batch, so that every
     schedule of the same stages is measured alike (a V's IPU holding two stages
-    counts both). From :func:`ipukit.compare.peak_activations`, which weighs each
+    counts both). From :func:`ipukit.timeline.compare.peak_activations`, which weighs each
     stage by its share of its IPU.
     """
     stages_on = Counter(stage_ipus)
@@ -54,7 +54,7 @@ def held_per_ipu(timeline: Timeline, stage_ipus) -> List[float]:
 def for_schedule(config: Config, schedule: str) -> Config:
     """``config`` pipelined with ``schedule``, its stages placed as that schedule wants.
 
-    Raises a ``ValueError`` (ipukit's :class:`~ipukit.schedule.ScheduleError`) when
+    Raises a ``ValueError`` (ipukit's :class:`~ipukit.schedules.ScheduleError`) when
     the stages cannot be placed so, e.g. an odd number of them for a V.
     """
     return logic.placed(config.with_(schedule=schedule, sharded=False, ipus=config.model_ipus))
@@ -85,17 +85,18 @@ def schedule_rows(config: Config, costs: CostTable, samples_per_epoch: int,
             for name in logic.SCHEDULES]
 
 
-# -- the README's table ------------------------------------------------------------------------
+# -- the table in docs/schedules.md ------------------------------------------------------------
 
 def schedule_table(num_ipus: int = 4, micro_batches=(8, 32), forward_cost: float = 1.0,
                    backward_cost: float = 2.0) -> str:
-    """The README's table of every schedule's bubble and memory, from :func:`ipukit.compare_schedules`.
+    """The table in docs/schedules.md of every schedule's bubble and memory, from
+    :func:`ipukit.compare_schedules`.
 
     Equal costs on every IPU (a forward ``forward_cost``, a backward
     ``backward_cost``: I and W half each), the same ``num_ipus`` IPUs for every
     schedule (two stages per IPU where a schedule needs them, each half the
     IPU's part of the model). Run ``python -m ipukit.widgets.comparison`` to
-    print it; ``tests/test_widgets.py`` checks the README holds it.
+    print it; ``tests/test_widgets.py`` checks docs/schedules.md holds it.
     """
     from ..timeline.compare import compare_schedules
 
