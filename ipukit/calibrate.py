@@ -14,7 +14,8 @@ pipelined calls are modeled from the same column:
 - one hand-off between two workers through the runtime's own mailboxes.
 
 **Guards.** A learner's machine is often busy. The blocks' run is repeated until two
-consecutive runs agree (every block within :data:`AGREE`) or ``budget`` seconds are spent.
+consecutive runs agree (within :data:`AGREE`, block by block weighted by cost) or ``budget``
+seconds are spent.
 A table is checked before it is returned, and what it cannot settle is listed in
 ``CostTable.uncertain`` (each figure drawn from it says so in one sentence):
 
@@ -54,7 +55,8 @@ _CACHE: Dict[str, CostTable] = {}
 #: bumped when a table's meaning changes, so tables cached on disk are measured again
 _TABLE_FORMAT = 11
 
-#: two runs of the blocks agree when every block's forward + backward is within this share
+#: two runs of the blocks agree when their forward + backward totals, block by block and
+#: weighted by cost, differ by at most this share
 AGREE = 0.10
 #: below this share of its cores' time the calibrating thread was not alone on the machine
 BUSY_SHARE = 0.75
@@ -169,16 +171,6 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5,
     return statistics.median(spans[1:])   # the first step also creates the state
 
 
-def _scalar_loss(out) -> Optional[torch.Tensor]:
-    leaves = list(out) if isinstance(out, (tuple, list)) else list(out.values()) \
-        if isinstance(out, dict) else [out]
-    leaves = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    scalars = [t for t in leaves if t.dim() == 0]
-    if scalars:
-        return scalars[-1]
-    return sum(t.float().sum() for t in leaves) if leaves else None
-
-
 def _run_on_worker(work: Callable[[], None], name: str) -> None:
     """``work()`` on a thread of its own; Ctrl-C waits for it (it leaves the model as it
     was), and what it raises is raised again here."""
@@ -207,8 +199,10 @@ def _block_totals(timeline) -> List[float]:
 
 
 def _spread(a: Sequence[float], b: Sequence[float]) -> float:
-    """The largest relative difference between two runs' block totals."""
-    return max((abs(x - y) / max(x, y) for x, y in zip(a, b) if max(x, y) > 0), default=0.0)
+    """How far apart two runs' block totals are: their differences over their sizes, each
+    block weighted by its cost (a tiny block's jitter does not decide)."""
+    total = sum(max(x, y) for x, y in zip(a, b))
+    return sum(abs(x - y) for x, y in zip(a, b)) / total if total > 0 else 0.0
 
 
 class _CpuShare:

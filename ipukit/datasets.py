@@ -3,7 +3,7 @@
 The root is, in order: the ``root`` argument, the ``IPUKIT_DATA`` environment
 variable, then ``~/.torch/datasets`` (the tutorial's folder). torchvision finds
 ``<root>/MNIST/raw/`` and loads it offline; when the files are missing it
-downloads them (needs internet). If neither works, :class:`~ipukit.errors.DataError`
+downloads them (needs internet). If neither works, :class:`~ipukit.core.errors.DataError`
 says where it looked and how to fix it.
 """
 from __future__ import annotations

@@ -223,7 +223,23 @@ class Plan:
         rc = f", recompute stages {self.recompute}" if self.recompute else ""
         return (f"{self.title} on {self.ipus} IPUs, split {self.split} (stage IPUs "
                 f"{self.stage_ipus}), micro-batch {self.micro_batch} × accumulation "
-                f"{self.gradient_accumulation} × device iterations {self.device_iterations}{rc}")
+                f"{self.gradient_accumulation} × device iterations {self.device_iterations}{rc}"
+                f"; {self.why_accumulation()}")
+
+    def why_accumulation(self) -> str:
+        """Why the plan accumulates as many micro-batches as it does: the schedule's own
+        minimum (each schedule has its rule) against the count the global batch gives."""
+        n, p = len(self.stages), self.ipus
+        least = minimum_micro_batches(self.schedule, n, len(set(self.stage_ipus)))
+        rule = {"gpipe": f"2N − 1 = {least} for N = {n} stages (PopART's rule)",
+                "1f1b": f"2N − 1 = {least} for N = {n} stages (PopART's rule)",
+                "dualpipev": f"two per IPU, {least}"}.get(self.schedule, f"one per IPU, {least}")
+        if self.schedule == "sharded":
+            return (f"accumulation {self.gradient_accumulation}: sharded execution needs no "
+                    "minimum; the global batch over the micro-batch size gives it")
+        return (f"accumulation {self.gradient_accumulation}: {self.title} needs at least "
+                f"{rule} on {p} IPUs; the global batch over the micro-batch size gives "
+                f"{self.gradient_accumulation}")
 
     def table(self, rows: int = 10, rejections: int = 10) -> str:
         """The ranked alternatives and the rejections, as a Markdown table."""
@@ -547,14 +563,18 @@ class Planner:
         index = {b: i for i, b in enumerate(self.blocks)}
         stages = stages_of(self.blocks, c.split)
         stage_bytes, weights = [], [0] * self.ipus
+        rebuilt = [0.0] * self.ipus   # a recomputing backward rebuilds its micro-batch's graph
         for s, names in enumerate(stages):
             first, last = index[names[0]], index[names[-1]]
             stage_bytes.append(mem.stage_activation(first, last, s in c.recompute))
             weights[c.stage_ipus[s]] += sum(mem.weights[first:last + 1])
+            if s in c.recompute:
+                ipu = c.stage_ipus[s]
+                rebuilt[ipu] = max(rebuilt[ipu], mem.stage_activation(first, last, False))
         schedule = build(c.kind, len(stages), c.ga, 1,
                          None if c.kind == "sharded" else c.stage_ipus)
         peaks = _activation_peaks(schedule, stage_bytes, self.ipus)
-        return [int(w + a) for w, a in zip(weights, peaks)]
+        return [int(w + a + r) for w, a, r in zip(weights, peaks, rebuilt)]
 
     def over(self, memory: Sequence[int]) -> Dict[int, int]:
         if self.budget is None:

@@ -3,7 +3,7 @@
 PopTorch compiled a model for the IPU on its first call; ipukit "compiles" by
 tracing the model on one micro-batch (:mod:`ipukit.partition`), checking the
 batching options against the number of stages, choosing each virtual IPU's
-torch device and building the call's schedule (:mod:`ipukit.schedule`). The
+torch device and building the call's schedule (:mod:`ipukit.schedules`). The
 result is one frozen :class:`~ipukit.program.Program`.
 """
 from __future__ import annotations

@@ -101,7 +101,7 @@ class MissingExtraError(Error, ImportError):
 def needs_extra(extra: str, where: str):
     """Around an optional import: a missing package becomes an error naming the extra.
 
-    >>> with needs_extra("viz", "ipukit.plots"):
+    >>> with needs_extra("viz", "ipukit.viz.plots"):
     ...     import plotly.graph_objects as go
     """
     try:

@@ -1,7 +1,7 @@
 """PopTorch's ``Options``: chainable setters, frozen once in use.
 
 An :class:`Options` object is handed to a model or a :class:`~ipukit.DataLoader`;
-from then on it is frozen and a setter raises :class:`~ipukit.errors.FrozenOptionsError`
+from then on it is frozen and a setter raises :class:`~ipukit.core.errors.FrozenOptionsError`
 (``options.clone()`` gives a modifiable copy). Setters PopTorch had for the IPU
 compiler are accepted so PopTorch programs run unchanged; they have no effect
 here and are listed under ``"ignored"`` in :meth:`Options.toDict`.

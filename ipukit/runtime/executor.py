@@ -1,10 +1,10 @@
 """Run a schedule on per-IPU workers and measure what each one did.
 
-This module only orchestrates a call: one worker (:mod:`ipukit.workers`) runs
-each lane of the :class:`~ipukit.schedule.Schedule` for each replica, doing
+This module only orchestrates a call: one worker (:mod:`ipukit.runtime.workers`) runs
+each lane of the :class:`~ipukit.schedules.Schedule` for each replica, doing
 the work of each action (:mod:`ipukit.actions`), so stages really overlap in
 time; at the end of an iteration (the pipeline flushed) the calling thread
-steps the optimiser once (:mod:`ipukit.update`), as PopART's weight update did.
+steps the optimiser once (:mod:`ipukit.runtime.update`), as PopART's weight update did.
 A call with one worker (a sharded or one-stage model, one replica) runs on the
 calling thread with no hand-off at all.
 

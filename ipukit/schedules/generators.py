@@ -2,8 +2,8 @@
 
 Each generator returns, for one iteration (an accumulation window of ``M``
 micro-batches), the ordered actions of every virtual IPU — the lanes of a
-:class:`~ipukit.schedule.Schedule`, in torch.distributed.pipelining's notation.
-:func:`ipukit.schedule.build` repeats them over device iterations, adds the
+:class:`~ipukit.schedules.Schedule`, in torch.distributed.pipelining's notation.
+:func:`ipukit.schedules.build` repeats them over device iterations, adds the
 optimiser steps and validates the result, so every schedule here is proven
 deadlock-free before anything runs it.
 

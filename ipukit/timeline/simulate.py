@@ -65,7 +65,7 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
     is added between stages on different IPUs; ``host_overhead`` is paid once
     per call before the first micro-batch (what device iterations amortise).
 
-    Every kind of :data:`ipukit.schedule.KINDS` is modeled, the modern ones
+    Every kind of :data:`ipukit.schedules.KINDS` is modeled, the modern ones
     (:mod:`ipukit.schedules`) on the placement they need unless ``stage_ipus``
     says otherwise; a split backward costs ``(1 − weight_share) × backward`` for
     its input-gradient half and ``weight_share × backward`` for its weight half

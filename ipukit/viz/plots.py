@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from ..core.errors import needs_extra
 
-with needs_extra("viz", "ipukit.plots"):
+with needs_extra("viz", "ipukit.viz.plots"):
     import numpy as np
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -280,7 +280,7 @@ def memory_figure(report) -> go.Figure:
 
     Optimiser state kept in host memory (``TensorLocations`` off chip) is drawn
     hatched, on top, and named as such. ``report`` is a
-    :class:`~ipukit.memory.MemoryReport` or its ``to_dict()``.
+    :class:`~ipukit.viz.memory.MemoryReport` or its ``to_dict()``.
     """
     data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
     stages = data.get("stages", [])

@@ -2,7 +2,7 @@
 
 :class:`Dashboard` owns every ``go.FigureWidget`` and HTML box and draws into
 them what it is given — a modeled view, a measured call, an error — with
-:mod:`ipukit.plots`. It computes nothing itself and starts nothing: the
+:mod:`ipukit.viz.plots`. It computes nothing itself and starts nothing: the
 buttons are wired by the explorer.
 """
 from __future__ import annotations

@@ -193,7 +193,7 @@ def placed(config: Config) -> Config:
     Interleaved 1F1B and looped BFS put stage ``s`` on IPU ``s mod P``, ZBV and
     DualPipeV IPU ``i`` on stages ``i`` and ``2P − 1 − i`` (``P`` = half the
     stages): ipukit's :func:`ipukit.schedules.placement` says where. The other
-    schedules keep one stage per IPU. Raises :class:`ipukit.schedule.ScheduleError`
+    schedules keep one stage per IPU. Raises :class:`ipukit.schedules.ScheduleError`
     (a ``ValueError``) when the stages do not fit, e.g. an odd number for a V.
     """
     kind = config.schedule_kind
@@ -512,7 +512,7 @@ class ProbeResult:
 
     error: Optional[str] = None
     error_type: Optional[str] = None
-    report: Any = None                        # ipukit.memory.MemoryReport
+    report: Any = None                        # ipukit.viz.memory.MemoryReport
     stage_blocks: List[List[str]] = field(default_factory=list)
     parameters: int = 0
 
@@ -533,7 +533,7 @@ def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Mod
 
     ipukit itself checks the combination: an :class:`ipukit.Error` comes back
     as the result's ``error`` text. On success the result holds the memory
-    report of the compiled stages (:func:`ipukit.memory.memory_report`).
+    report of the compiled stages (:func:`ipukit.viz.memory.memory_report`).
     """
     from ..model import trainingModel
     from ..viz.memory import memory_report

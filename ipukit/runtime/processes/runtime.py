@@ -14,7 +14,7 @@ runs here instead of on threads:
   last block) from the call's micro-batch directly, and carries tensors that a
   later stage needs (skip connections) through the stages in between, since
   torch's runtime only sends to the next stage;
-* ipukit's schedule (:meth:`~ipukit.schedule.Schedule.to_torch`) is run by
+* ipukit's schedule (:meth:`~ipukit.schedules.Schedule.to_torch`) is run by
   torch's ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
 * with replicas, each stage runs under torch's DDP in the ``dp`` group wherever
   every backward is a full one (GPipe, 1F1B, interleaved 1F1B, looped BFS): torch's
