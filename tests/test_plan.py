@@ -167,6 +167,28 @@ def test_plans_apply_and_run_for_real():
             training.destroy()
 
 
+def forward_calls(training, *batch):
+    """How many times each stage's forward runs in one call (counted on the stage's own
+    ``forward``, which a recomputing backward calls again)."""
+    stages = training.program.partition.stages
+    calls = [0] * len(stages)
+
+    def counted(i, forward):
+        def run(*args, **kwargs):
+            calls[i] += 1
+            return forward(*args, **kwargs)
+        return run
+
+    for i, st in enumerate(stages):
+        st.module.forward = counted(i, st.module.forward)
+    try:
+        training(*batch)
+    finally:
+        for st in stages:
+            del st.module.forward
+    return calls
+
+
 def test_a_recomputing_plan_marks_its_stages():
     model = StackNet(num_blocks=4)
     x, y = make_data(16)
@@ -183,11 +205,22 @@ def test_a_recomputing_plan_marks_its_stages():
                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
     try:
         training(x[:12], y[:12])
-        assert [st.recompute for st in training.program.partition.stages] == [True, True]
+        stages = training.program.partition.stages
+        assert [st.recompute for st in stages] == [True, True]
+        # measured: each stage's forward runs twice per micro-batch, the second time
+        # in its backward (3 micro-batches per call)
+        assert forward_calls(training, x[:12], y[:12]) == [2 * 3, 2 * 3]
     finally:
         training.destroy()
         for h in model._ipukit_plan_hooks:
             h.remove()
+    plain = ipukit.trainingModel(model, dataclasses.replace(best, recompute=[]).apply(model),
+                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    try:
+        plain(x[:12], y[:12])
+        assert forward_calls(plain, x[:12], y[:12]) == [3, 3]   # without: once each
+    finally:
+        plain.destroy()
 
 
 def test_groups_kept_together_and_the_layers_per_ipu_form():
@@ -206,3 +239,19 @@ def test_groups_kept_together_and_the_layers_per_ipu_form():
                     together=[("b0", "b1")]).split == [2, 1, 1]
     with pytest.raises(PipelineConfigError, match="cuts a group of blocks that must share"):
         run_plan(schedules=["1F1B"], split=[1, 2, 1], ipus=3, together=[("b0", "b1")])
+
+
+def test_recomputation_costs_its_forward_again_and_its_backward_rebuilds_a_micro_batch():
+    """Recomputing stages pay their forward again in the backward (time), and hold one
+    micro-batch's whole activations again while that backward runs (memory): on stage 0
+    (b0, b1 at micro-batch 16, twice the table's 8) the weights, 1F1B's two held
+    micro-batches of inputs and outputs, and one rebuilt micro-batch."""
+    again = run_plan(schedules=["1F1B"], split=[2, 2], recompute=True)
+    once = run_plan(schedules=["1F1B"], split=[2, 2], recompute=False)
+    assert again.recompute == [0, 1] and once.recompute == []
+    assert again.micro_batch == once.micro_batch == 16
+    assert again.time_per_call > once.time_per_call
+    held = 2 * (800 + 400)                    # b0's input and b1's output, per micro-batch
+    rebuilt = 2 * (8000 + 6000 - 600)         # b0 and b1's activations, less the hand-over
+    assert again.memory_per_ipu[0] == 1000 + 2000 + 2 * held + rebuilt
+    assert "needs at least 2N − 1 = 3" in again.summary()
