@@ -136,10 +136,21 @@ class Notebooks:
         TIMINGS[name] = {"open": t1 - t0, "run": time.time() - t1}
         return nb
 
+    def release(self, name: str) -> None:
+        """Close ``name``'s tab and shut its kernel down (a later ``run`` opens it afresh)."""
+        nb = self.pages.pop(name, None)
+        if nb is not None:
+            close_page(self.lab, nb)
+
     def close(self):
         for nb in self.pages.values():
             close_page(self.lab, nb)
         self.pages.clear()
+
+
+#: notebooks whose tab later tests use again; every other one is closed after its test, so
+#: no idle kernel holds memory or a core while the rest run
+KEPT = {EXPLORER} | ({WALKTHROUGH} if os.environ.get("IPUKIT_DOCS") == "1" else set())
 
 
 @pytest.fixture(scope="module")
@@ -461,6 +472,8 @@ def test_notebook_runs_and_renders_in_jupyterlab(notebooks, name):
             nb.page.wait_for_timeout(1500)      # cells scrolled into view are painted lazily
         nb.screenshot(f"{Path(name).stem}.png")
         TIMINGS.setdefault(name, {"open": 0.0, "run": 0.0})["checks"] = time.time() - t0
+        if name not in KEPT:
+            notebooks.release(name)
 
 
 @pytest.mark.timeout(1200)
