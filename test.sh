@@ -21,4 +21,10 @@ done
 if [ "$paths" = 0 ]; then
   set -- tests notebooks "$@"
 fi
+# Test files run side by side in IPUKIT_TEST_WORKERS processes (pytest-xdist; 0: one process),
+# each file whole in one of them (notebook cells in order, the browser tests' one server).
+workers=${IPUKIT_TEST_WORKERS:-2}
+if [ "$workers" != 0 ]; then
+  set -- -n "$workers" --dist loadfile "$@"
+fi
 exec .venv/bin/python -m pytest --nbval-lax -p no:cacheprovider "$@"
