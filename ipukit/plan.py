@@ -563,18 +563,21 @@ class Planner:
         index = {b: i for i, b in enumerate(self.blocks)}
         stages = stages_of(self.blocks, c.split)
         stage_bytes, weights = [], [0] * self.ipus
-        rebuilt = [0.0] * self.ipus   # a recomputing backward rebuilds its micro-batch's graph
+        # while a backward runs it holds, beside the stash, the gradients of its micro-batch's
+        # activations (about as large as they are); a recomputing one first rebuilds those
+        # activations too: the largest such pass of each IPU
+        transient = [0.0] * self.ipus
         for s, names in enumerate(stages):
             first, last = index[names[0]], index[names[-1]]
             stage_bytes.append(mem.stage_activation(first, last, s in c.recompute))
             weights[c.stage_ipus[s]] += sum(mem.weights[first:last + 1])
-            if s in c.recompute:
-                ipu = c.stage_ipus[s]
-                rebuilt[ipu] = max(rebuilt[ipu], mem.stage_activation(first, last, False))
+            whole = mem.stage_activation(first, last, False) * (2 if s in c.recompute else 1)
+            ipu = c.stage_ipus[s]
+            transient[ipu] = max(transient[ipu], whole)
         schedule = build(c.kind, len(stages), c.ga, 1,
                          None if c.kind == "sharded" else c.stage_ipus)
         peaks = _activation_peaks(schedule, stage_bytes, self.ipus)
-        return [int(w + a + r) for w, a, r in zip(weights, peaks, rebuilt)]
+        return [int(w + a + t) for w, a, t in zip(weights, peaks, transient)]
 
     def over(self, memory: Sequence[int]) -> Dict[int, int]:
         if self.budget is None:

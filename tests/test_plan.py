@@ -242,10 +242,11 @@ def test_groups_kept_together_and_the_layers_per_ipu_form():
 
 
 def test_recomputation_costs_its_forward_again_and_its_backward_rebuilds_a_micro_batch():
-    """Recomputing stages pay their forward again in the backward (time), and hold one
-    micro-batch's whole activations again while that backward runs (memory): on stage 0
-    (b0, b1 at micro-batch 16, twice the table's 8) the weights, 1F1B's two held
-    micro-batches of inputs and outputs, and one rebuilt micro-batch."""
+    """Recomputing stages pay their forward again in the backward (time), and rebuild one
+    micro-batch's whole activations while that backward runs, beside their gradients
+    (memory): on stage 0 (b0, b1 at micro-batch 16, twice the table's 8) the weights, 1F1B's
+    two held micro-batches of inputs and outputs, and the rebuilt micro-batch twice; without
+    recomputation, two whole micro-batches held and one micro-batch's gradients."""
     again = run_plan(schedules=["1F1B"], split=[2, 2], recompute=True)
     once = run_plan(schedules=["1F1B"], split=[2, 2], recompute=False)
     assert again.recompute == [0, 1] and once.recompute == []
@@ -253,5 +254,6 @@ def test_recomputation_costs_its_forward_again_and_its_backward_rebuilds_a_micro
     assert again.time_per_call > once.time_per_call
     held = 2 * (800 + 400)                    # b0's input and b1's output, per micro-batch
     rebuilt = 2 * (8000 + 6000 - 600)         # b0 and b1's activations, less the hand-over
-    assert again.memory_per_ipu[0] == 1000 + 2000 + 2 * held + rebuilt
+    assert again.memory_per_ipu[0] == 1000 + 2000 + 2 * held + 2 * rebuilt
+    assert once.memory_per_ipu[0] == 1000 + 2000 + 2 * rebuilt + rebuilt
     assert "needs at least 2N − 1 = 3" in again.summary()
