@@ -6,6 +6,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the notebooks' helpers (lessons.py, debugging.py) live beside the notebooks
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "notebooks"))
 
 DATA_ROOT = os.environ.get("IPUKIT_DATA") or os.path.abspath(
     os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))

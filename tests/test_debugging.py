@@ -1,4 +1,4 @@
-"""ipukit.examples.debugging: the helpers notebook 08 calls (memory, a plan, a stall).
+"""notebooks/debugging.py: the helpers notebook 08 calls (memory, a plan, a stall).
 
 Laws on bytes and on what the watchdog says, never on times. The 2-process stall is
 launched by notebook 08 and by tests/test_watchdog.py; here its script runs once
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ipukit
-from ipukit.examples import debugging
+import debugging
 
 
 def batch(n, seed=0):
@@ -90,7 +90,7 @@ def test_the_process_script_runs_on_one_process_without_a_stall(tmp_path, monkey
 
 
 def test_a_plan_runs_and_reports_its_measured_peaks():
-    from ipukit.examples import lessons
+    import lessons
     from ipukit.plan import BlockMemory
     from ipukit.examples.mnist import reference_costs
 

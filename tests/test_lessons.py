@@ -1,4 +1,4 @@
-"""ipukit.examples.lessons (notebooks 06 and 07), ipukit.viz.memory.stage_tensor_bytes and
+"""notebooks/lessons.py (the helpers of notebooks 06 and 07), ipukit.viz.memory.stage_tensor_bytes and
 ipukit.viz.devices: small runs on random data, checked against exact sizes and plain PyTorch."""
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ipukit
-from ipukit.examples import lessons
+import lessons
 from ipukit.viz.memory import memory_report, stage_tensor_bytes
 
 pytest.importorskip("plotly")

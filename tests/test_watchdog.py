@@ -22,12 +22,13 @@ import torch
 import torch.nn as nn
 
 import ipukit
-from ipukit.examples.debugging import same_state, state_of
 from ipukit.core.errors import OptionsError, StallError
 from ipukit.schedules.ir import Schedule, ScheduleError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.join(HERE, "..", "notebooks"))   # also when launched as the script
+from debugging import same_state, state_of  # noqa: E402
 from helpers import SleepyNet, ipukit_threads, make_data  # noqa: E402
 
 GATE = {"count": 0, "at": None, "event": threading.Event(), "entered": threading.Event()}

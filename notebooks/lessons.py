@@ -1,4 +1,6 @@
-"""The measurements behind notebooks 06 and 07: what pipelining costs, run for real.
+"""Helpers for notebooks 06 and 07 (they live beside the notebooks, not in ipukit).
+
+The measurements behind notebooks 06 and 07: what pipelining costs, run for real.
 
 Each function builds the tutorial's convnet (:mod:`ipukit.examples.mnist`), trains it
 with ipukit for a few calls and returns plain numbers (dicts and lists), so that a
@@ -206,7 +208,8 @@ def process_pingpong(sizes: Sequence[int], round_trips: int = 30, timeout: float
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="ipukit-pingpong-") as folder:
         out = os.path.join(folder, "result.json")
-        code = ("import sys; from ipukit.examples.lessons import pingpong_worker; "
+        code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                "from lessons import pingpong_worker; "
                 f"pingpong_worker(int(sys.argv[1]), {port}, {list(map(int, sizes))!r}, "
                 f"{int(round_trips)}, {out!r})")
         procs = [subprocess.Popen([sys.executable, "-c", code, str(rank)], env=env,

@@ -1,4 +1,6 @@
-"""The measurements behind notebook 08 ("Plan, fit, debug"): memory, a plan, a stall.
+"""Helpers for notebook 08 (they live beside the notebooks, not in ipukit).
+
+The measurements behind notebook 08 ("Plan, fit, debug"): memory, a plan, a stall.
 
 Each function builds a model, runs ipukit for real and returns plain numbers, so that
 the notebook only calls and prints:
@@ -31,7 +33,7 @@ import torch.nn as nn
 
 import ipukit
 from ipukit.core.errors import StallError
-from ipukit.examples import lessons
+import lessons
 from ipukit.examples.mnist import Network, TrainingModelWithLoss
 from ipukit.runtime.memory_track import track_memory
 from ipukit.viz.memory import measured_memory
@@ -280,9 +282,10 @@ def stall_on_threads(x: torch.Tensor, y: torch.Tensor, timeout: float = 2.0,
 #: The script notebook 08 writes to a temporary folder and launches with ``ipukit-run``
 #: (2 processes): rank 1's forward of its 2nd micro-batch waits until 4 s after it began
 #: waiting; with ``stallTimeout(2)`` both processes stop, undo and report, then train on.
-PROCESS_SCRIPT = '''\
+PROCESS_SCRIPT = f'''\
 import sys
-from ipukit.examples import debugging
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import debugging
 
 debugging.stalled_rank(out_dir=sys.argv[1], timeout=2.0, release_after=4.0)
 '''
