@@ -10,20 +10,19 @@ the notebook only calls and prints:
   (:func:`ipukit.viz.memory.measured_memory`); :func:`convnet_memory` /
   :func:`vit_memory` do it for the tutorial's convnet and the small ViT under several
   schedules and placements (GPipe, 1F1B, interleaved 1F1B, ZBV), with recomputation;
-- :func:`run_plan`: an :func:`ipukit.plan` plan applied and trained for a few calls,
-  its measured time per call and measured peak memory per virtual IPU;
 - a stage that stalls on purpose: :class:`GatedConvnet` (the convnet with an operation,
   :func:`stall_gate`, that waits on an ``threading.Event`` when armed by :func:`arm`),
   :func:`stall_on_threads` (the threads case: the StallError, the weights unchanged, the
   next call trains) and :data:`PROCESS_SCRIPT` / :func:`stalled_rank` (one rank of two
-  that stops making progress under ``ipukit-run``).
+  that stops making progress under ``ipukit-run``), launched by :func:`launch_stall`.
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
-import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
@@ -140,41 +139,6 @@ def vit_memory(x: torch.Tensor, y: torch.Tensor, kinds: Sequence[str] = ("GPipe"
         opts.setExecutionStrategy(vit_stages(num_layers, kind))
         out[kind] = measure_memory(vit(num_layers, seed, recompute), opts, x[:batch], y[:batch])
     return out
-
-
-# -- (2) a plan, run -------------------------------------------------------------------------
-
-def run_plan(plan, network: nn.Module, x: torch.Tensor, y: torch.Tensor, calls: int = 4,
-             lr: float = 0.01) -> Dict[str, object]:
-    """Apply ``plan`` to ``network`` and train on ``x``/``y`` in order: one call to compile,
-    ``calls`` timed calls, then one call that measures its memory. Returns the seconds of
-    each timed call, their median, every call's loss and the measured peak bytes per
-    virtual IPU."""
-    opts = plan.apply(network)
-    model = ipukit.trainingModel(network, opts, optimizer=torch.optim.SGD(network.parameters(),
-                                                                          lr=lr))
-    batch = plan.samples_per_call
-    seconds, losses = [], []
-    try:
-        for i in range(calls + 2):
-            start = (i * batch) % (x.shape[0] - batch + 1)
-            args = (x[start:start + batch], y[start:start + batch])
-            if i == calls + 1:           # the last call: measured memory (tracking slows it)
-                with track_memory():
-                    _, loss = model(*args)
-                peaks = {ipu: peak for ipu, peak in model.getTimeline().memory_peaks().items()}
-            else:
-                t = time.perf_counter()
-                _, loss = model(*args)
-                if i:
-                    seconds.append(time.perf_counter() - t)
-            losses.append(float(loss.float().mean()))
-    finally:
-        model.destroy()
-        for handle in getattr(network, "_ipukit_plan_hooks", []):
-            handle.remove()
-    return {"seconds": seconds, "median": statistics.median(seconds), "losses": losses,
-            "peaks": peaks}
 
 
 # -- (3) a stage that stalls --------------------------------------------------------------------
@@ -343,3 +307,24 @@ def read_ranks(out_dir: str, nproc: int = 2) -> List[Dict[str, object]]:
             with open(path) as f:
                 found.append(json.load(f))
     return found
+
+
+def launch_stall(out_dir: str, timeout: float = 600.0):
+    """Write :data:`PROCESS_SCRIPT` into ``out_dir`` and launch it as 2 processes with
+    ``ipukit-run`` (gloo on loopback, CUDA hidden, torchrun's variables of an outer launch
+    dropped). Returns the finished launch (``subprocess.CompletedProcess``, output captured)
+    and :func:`read_ranks`.
+
+    A process whose group was torn down by the watchdog ends without the interpreter's
+    finalization (ipukit flushes its output and exits with its status): destroying a gloo
+    group whose connections were cut could otherwise abort it at exit.
+    """
+    script = os.path.join(out_dir, "stall.py")
+    with open(script, "w") as f:
+        f.write(PROCESS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launch = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", "2",
+                             "--timeout", "60", script, out_dir],
+                            env=dict(env, CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                            text=True, timeout=timeout)
+    return launch, read_ranks(out_dir)

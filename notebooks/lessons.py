@@ -333,17 +333,20 @@ def replication_rows(x: torch.Tensor, y: torch.Tensor, micro_batch: int = 16,
     """The convnet trained three ways with the same samples per optimiser step: pipeline
     parallel (2 stages), data parallel (2 replicas of one stage) and both (2 stages × 2
     replicas: 4 workers). Per way: the
-    median time per call after the first (which compiles), the loss of each call, the
-    weights after the first call (``first_state``) and at the end (``state``); SGD with learning rate ``lr``. The calls read ``x`` in
-    order, ``samples_per_step`` at a time, as :func:`plain_reference` does."""
+    median time per call after the first (which compiles), the loss of each call (the mean
+    over the call's ``samples_per_step`` samples: ``OutputMode.All`` returns every
+    micro-batch's loss, so the ways' losses are comparable), the weights after the first
+    call (``first_state``) and at the end (``state``), the last call's timeline; SGD with
+    learning rate ``lr``. The calls read ``x`` in order, ``samples_per_step`` at a time, as
+    :func:`plain_reference` does."""
     ways = {"pp: 2 stages": ((0, 0, 1, 1), 1),
             "dp: 2 replicas": ((0, 0, 0, 0), 2), "pp × dp: 2 stages × 2 replicas": ((0, 0, 1, 1), 2)}
     rows = []
     for name, (split, replicas) in ways.items():
         model = convnet(seed)
         ga = samples_per_step // (micro_batch * replicas)
-        tm = ipukit.trainingModel(model, options(split, ga, replicas=replicas),
-                                  optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+        opts = options(split, ga, replicas=replicas).outputMode(ipukit.OutputMode.All)
+        tm = ipukit.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
         run = time_calls(tm, x, y, samples_per_step, calls, warmup=0)
         rows.append({"way": name, "stages": len(set(split)), "replicas": replicas,
                      "gradient_accumulation": ga, "workers": len(set(split)) * replicas,

@@ -114,8 +114,12 @@ def test_replication_rows_equal_the_plain_reference():
         assert diff < 1e-5, (r["way"], diff)
         assert len(r["losses"]) == 3 and r["first_state"].keys() == r["state"].keys()
     one = lessons.convnet()
-    lessons.plain_reference(one, torch.optim.SGD(one.parameters(), lr=0.1), x[:64], y[:64],
-                            device_iterations=1, gradient_accumulation=4, replicas=2)
+    first = lessons.plain_reference(one, torch.optim.SGD(one.parameters(), lr=0.1), x[:64], y[:64],
+                                    device_iterations=1, gradient_accumulation=4, replicas=2)
+    # every micro-batch's loss comes back (OutputMode.All): each way's first loss is the mean
+    # over the call's samples, plain PyTorch's first step's mean
+    for r in rows:
+        assert abs(r["losses"][0] - sum(first) / len(first)) < 1e-5, (r["way"], r["losses"][0])
     for r in rows:
         assert max((r["first_state"][k] - v).abs().max().item()
                    for k, v in one.state_dict().items()) < 1e-6
