@@ -328,7 +328,8 @@ def test_a_run_leaves_nothing_in_the_temporary_directory(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'])\n")
+    # one write per process (two processes share the pipe: print's separate writes interleave)
+    script.write_text("import os, sys\nsys.stdout.write(f\"rank {os.environ['RANK']}\\n\")\n")
     env = dict(os.environ, TMPDIR=str(tmp), CUDA_VISIBLE_DEVICES="")
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, "-m", "ipukit.distributed.run", "--nproc", "2",
