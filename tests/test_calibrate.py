@@ -325,5 +325,7 @@ def test_a_measured_call_is_set_beside_its_model_in_one_plain_sentence():
     slow = agreement(measured(1.5), modeled)
     assert "1.50" in slow and "50% longer" in slow and "passes running at once" in slow
     assert "faster than when it was calibrated" in agreement(measured(0.5), modeled)
+    twice = Timeline.concat([measured(1.05), measured(1.05)])
+    assert agreement(twice, modeled).startswith("measured ÷ modeled: 1.05")    # per call
     shaky = model_call(table(uncertain=["busy"]), "sharded", even_split(t.blocks, 2), 4)
     assert "marked uncertain" in agreement(measured(1.5), shaky)

@@ -215,10 +215,11 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
 
 def agreement(measured: Timeline, modeled: Timeline) -> str:
     """One plain sentence: how long the measured call took against the same call modeled,
-    and the likeliest reason where they differ by more than a tenth."""
+    and the likeliest reason where they differ by more than a tenth. Several measured calls
+    (:meth:`Timeline.concat`) are compared per call."""
     if modeled.wall_time <= 0 or measured.wall_time <= 0:
         return "measured ÷ modeled: nothing to compare"
-    r = measured.wall_time / modeled.wall_time
+    r = measured.time_per_call() / modeled.time_per_call()
     said = f"measured ÷ modeled: {r:.2f}"
     if abs(r - 1) <= 0.10:
         return said + " — the calibrated costs held for this call"
