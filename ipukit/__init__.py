@@ -34,9 +34,8 @@ from .timeline.simulate import costs_from, model_like, simulate
 
 __version__ = "0.1.0"
 
-# PopTorch exposed its error class as poptorch.poptorch_core.Error, and split
-# errors into recoverable and unrecoverable ones; every ipukit error leaves the
-# model usable, so both names catch ipukit's errors.
+# PopTorch's poptorch_core.Error and its recoverable/unrecoverable split: every ipukit
+# error leaves the model usable, so each name catches all of them.
 poptorch_core = type("poptorch_core", (), {"Error": Error})
 RecoverableError = Error
 UnrecoverableError = Error
@@ -94,7 +93,8 @@ __all__ = [
     "SerialPhasedExecution", "ShardedExecution", "Stage", "SyncPattern", "TensorLocationSettings",
     "Timeline", "Action", "Schedule", "costs_from", "model_like", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
-    "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate", "compare_schedules",
+    "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate",
+    "compare_schedules",
     "trainingModel", "AnchorMode", "CommGroupType", "Liveness", "MatMulSerializationMode",
     "MultiConvPlanType", "OverlapMode", "SharingStrategy", "VariableRetrievalMode", "CPU",
     "MultiConv", "NameScope", "cond", "ctc_beam_search_decoder", "custom_op", "dynamic_slice",

@@ -1,28 +1,8 @@
 """Every private torch name ipukit uses, in one place (floor 0: imports torch only).
 
-torch.distributed.pipelining has no public API yet for these; each is wrapped here
-under a public name so that the rest of ipukit reads only public names, and so that a
-torch release that moves one breaks this module alone. ``tests/test_torch_adapter.py``
-checks each against the installed torch and names the versions it was run against.
-
-- ``pytree``: ``torch.utils._pytree`` (flattening nested inputs and outputs; torch has
-  no public pytree module in the supported versions).
-- ``torch_action``: ``torch.distributed.pipelining.schedules._Action`` (torch's action IR).
-- ``grad_fn_or_grad_acc``: ``pipelining._backward._get_grad_fn_or_grad_acc`` (the
-  autograd node of a tensor, or its gradient accumulator; the split backward's halves).
-- ``param_groups``: ``pipelining._backward.get_param_groups`` (a public name in a private
-  module; the reverse graph it takes is ipukit's own walk, which also notes each node's
-  gradient inputs: ``ipukit.runtime.split_backward``).
-- ``HookedStage``: ``PipelineStage`` whose first-step shape inference
-  (``_prepare_forward_infra``) runs inside :meth:`HookedStage.around_shape_inference`.
-- ``mapped_runtime_class``: ``_PipelineScheduleRuntime`` told the stage → rank mapping
-  (``_validate_and_set_stage_mapping``), and ``load_actions`` feeding it a schedule
-  (``_prepare_schedule_with_comms``).
-- ``dispatch_mode_class``: ``torch.utils._python_dispatch.TorchDispatchMode`` (a per-thread
-  hook on every aten operation: the measured memory tracker of ``ipukit.runtime.memory_track``).
-- ``direct_forward``: ``torch.nn.modules.module``'s global hook tables and a module's own
-  hook tables and ``_compiled_call_impl`` (whether calling a module does more than its
-  ``forward``).
+torch.distributed.pipelining has no public API yet for these; each is wrapped here under a
+public name, so that a torch release that moves one breaks this module alone.
+``tests/test_torch_adapter.py`` checks each against the installed torch.
 """
 from __future__ import annotations
 
@@ -32,7 +12,7 @@ from typing import Dict, List
 import torch
 from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
 
-#: The private names above, as (module, attribute): what the adapter test checks.
+#: The private names, as (module, attribute): what the adapter test checks.
 PRIVATE_NAMES = (
     ("torch.utils._pytree", "tree_flatten"),
     ("torch.distributed.pipelining.schedules", "_Action"),
@@ -69,9 +49,8 @@ def dispatch_mode_class():
 
 
 def direct_forward(module: torch.nn.Module):
-    """``module.forward`` where calling ``module`` would only call it (no hook on the module,
-    no global module hook, not compiled): the same work without ``nn.Module.__call__``'s
-    (and a ``GraphModule``'s error-decorating wrapper's) cost per call; else ``module``."""
+    """``module.forward`` when calling ``module`` would only call it (no module hook, global
+    or its own, not compiled), which skips ``nn.Module.__call__``'s cost; else ``module``."""
     from torch.nn.modules import module as mod
 
     if (mod._global_forward_pre_hooks or mod._global_forward_hooks
@@ -91,8 +70,7 @@ def grad_fn_or_grad_acc(t: torch.Tensor):
 
 
 def param_groups(inputs, params, reverse_edges):
-    """torch's grouping of a stage's parameters by the inputs they share a graph with
-    (``pipelining._backward.get_param_groups``), for the weight-gradient half."""
+    """torch's grouping of a stage's parameters by the inputs they share a graph with."""
     from torch.distributed.pipelining._backward import get_param_groups
 
     return get_param_groups(inputs, params, reverse_edges)
@@ -115,11 +93,8 @@ def hooked_stage_class():
 
 
 def mapped_runtime_class():
-    """torch's action-list runtime, told the stage → rank mapping instead of inferring it.
-
-    torch infers the mapping while checking that every stage has its backwards, which a
-    forward-only schedule does not have; set ``runner.stage_rank`` before loading actions.
-    """
+    """torch's action-list runtime, told the stage → rank mapping (``runner.stage_rank``, set
+    before loading actions) instead of inferring it, which a forward-only schedule fails."""
     from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
                                                         _PipelineScheduleRuntime)
 

@@ -1,14 +1,12 @@
 """Balance a pipeline by measured time: which blocks should share a virtual IPU.
 
-A pipeline runs at the pace of its slowest stage, so the best placement of
-blocks on IPUs is the contiguous split that minimises the slowest stage's
-time. :func:`balance_by_time` measures every block (forward + backward) by
-running the model once with each block on its own IPU in
-:class:`~ipukit.ShardedExecution` — one block at a time, so blocks do not
-compete for cores — and :func:`best_split` finds the optimal split exactly.
+:func:`balance_by_time` measures every block (forward + backward) with each block on its
+own IPU in :class:`~ipukit.ShardedExecution`, one at a time, and :func:`best_split` finds
+the contiguous split whose slowest stage is fastest.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,13 +17,15 @@ import torch
 from .core import blocks as _blocks
 from .core.enums import AutoStage
 from .core.errors import BlockError
+from .core.options import Options
 from .viz.memory import unchanged_state
 from .core.strategies import PipelinedExecution, ShardedExecution, Stage
 from .runtime.fused import action_by_action
+from .runtime.gpu_clock import on_device_of, settle
+from .runtime.split_backward import backward_input, backward_weight
+from .model import PoplarExecutor, trainingModel, training_wrapper_set_aside
 from .timeline.events import Timeline
 
-
-# -- the split -----------------------------------------------------------------------------
 
 def best_split(costs: Sequence[float], num_ipus: int) -> List[int]:
     """The IPU of each block: a contiguous split into ``num_ipus`` stages, slowest stage minimal.
@@ -40,9 +40,7 @@ def best_split(costs: Sequence[float], num_ipus: int) -> List[int]:
         raise ValueError(f"num_ipus must be >= 1, got {num_ipus}")
     if K > B:
         raise ValueError(f"cannot split {B} block(s) over {K} IPUs: every IPU needs a block")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
     inf = float("inf")
     # best[k][b]: the smallest bottleneck of blocks[:b] on k IPUs; cut[k][b]: where stage k starts
     best = [[inf] * (B + 1) for _ in range(K + 1)]
@@ -76,9 +74,8 @@ def stage_totals(costs: Sequence[float], split: Sequence[int]) -> List[float]:
 def strategy_for(block_order: Sequence[str], split: Sequence[int],
                  sharded: bool = False) -> PipelinedExecution:
     """``PipelinedExecution(Stage(...).ipu(0), ...)`` placing ``block_order`` per ``split``."""
-    stages = []
-    for ipu in sorted(set(split)):
-        stages.append(Stage(*[b for b, i in zip(block_order, split) if i == ipu]).ipu(ipu))
+    stages = [Stage(*[b for b, i in zip(block_order, split) if i == ipu]).ipu(ipu)
+              for ipu in sorted(set(split))]
     return (ShardedExecution if sharded else PipelinedExecution)(*stages)
 
 
@@ -119,8 +116,6 @@ class BalanceResult:
                 f"bottleneck {self.bottleneck * 1e3:.2f} ms, balance {self.balance:.0%})")
 
 
-# -- measuring blocks ----------------------------------------------------------------------
-
 class _BlockNames(_blocks.BlockRecorder):
     """Records the order in which blocks are entered, without cutting anything."""
 
@@ -156,86 +151,60 @@ def _repeat(value, times: int):
     return value
 
 
-def _timed_calls(model: torch.nn.Module, batch: Tuple, options,
-                 probe=None, between: Iterable[Callable[[], object]] = (),
-                 more: Optional[List[Timeline]] = None) -> Tuple[Timeline, List[List[str]]]:
-    """Compile and warm up a throw-away training model, then time one call.
+def _timed_calls(model: torch.nn.Module, batch: Tuple, options, probe=None,
+                 between: Iterable[Callable[[], object]] = ()):
+    """Time calls of a throw-away training model of ``model`` (left as it was).
 
-    Learning rate 0 and restored weights, buffers and random state leave the
-    user's model as it was; a training wrapper the user already has stays.
-    ``probe(compiled)``, when given, runs after the timed call, before the state is
-    restored; its result is appended to the returned tuple. Then each of ``between`` runs
-    (other measurements, which must leave the model alone), each followed by another timed
-    call, whose timeline is appended to ``more``: the same passes timed at moments seconds
-    apart. ``between`` may also be a function of the list of the calls' timelines so far
-    (the first included), returning the measurements: it can stop when the calls agree.
+    After a compiling call, one timed call; then ``probe(compiled)``, when given; then each
+    of ``between`` (or of ``between(timelines so far)``, which may stop early) runs and is
+    followed by another timed call. Returns (timelines, blocks per stage, probe's result).
     """
-    from .model import trainingModel, training_wrapper_set_aside
-
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    with training_wrapper_set_aside(model):
-        with unchanged_state([model], weights=True):
-            timing = trainingModel(model, options, optimizer)
-            try:
-                timing(*batch)     # compile + warm-up
+    with training_wrapper_set_aside(model), unchanged_state([model], weights=True):
+        timing = trainingModel(model, options, optimizer)
+        try:
+            timing(*batch)     # compile + warm-up
+            timing(*batch)
+            timelines = [timing.getTimeline()]
+            stage_blocks = [st.blocks for st in timing.program.partition.stages]
+            probed = probe(timing) if probe is not None else None
+            for measure in (between(timelines) if callable(between) else between):
+                measure()
                 timing(*batch)
-                out = (timing.getTimeline(),
-                       [st.blocks for st in timing.program.partition.stages])
-                if probe is not None:
-                    out = out + (probe(timing),)
-                seen = [out[0]]
-                for measure in (between(seen) if callable(between) else between):
-                    measure()
-                    timing(*batch)
-                    seen.append(timing.getTimeline())
-                    if more is not None:
-                        more.append(seen[-1])
-                return out
-            finally:
-                timing.destroy()
+                timelines.append(timing.getTimeline())
+            return timelines, stage_blocks, probed
+        finally:
+            timing.destroy()
 
 
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                    repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
-    """Forward and backward seconds of each block (the median of its passes), one micro-batch = ``sample_inputs``.
-
-    Runs the model with every block on its own IPU in ShardedExecution
-    (stages one at a time, so blocks do not compete for cores): a warm-up
-    call, then a call of ``repeats`` micro-batches whose timeline gives the
-    medians. The user's model is left unchanged.
+    """Forward and backward seconds of each block (the median of ``repeats`` passes of one
+    micro-batch = ``sample_inputs``), with every block on its own IPU in ShardedExecution
+    (stages one at a time, so blocks do not compete for cores), and the call's timeline.
+    The user's model is left unchanged.
     """
-    fwd, bwd, _, _, timeline = _measure(model, sample_inputs, block_order, repeats, False)
-    return fwd, bwd, timeline
+    fwd, bwd, _, _, timelines = _measure(model, sample_inputs, block_order, repeats, False)
+    return fwd, bwd, timelines[0]
 
 
 def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                          repeats: int = 5, between: Iterable[Callable[[], object]] = ()):
-    """:func:`measure_blocks`, plus each block's split backward timed alone.
+    """:func:`measure_blocks`, plus each block's split backward halves timed alone.
 
-    Returns ``(forward, backward, input_grad, weight_grad, timelines)``: per block, the
-    median seconds of its forward and full backward in the sharded run, and of the two
-    halves a zero-bubble schedule runs instead — ``I`` (the gradient of the block's input,
-    keeping the graph) and ``W`` (the weight gradients from what ``I`` kept), each timed
-    on its own with the runtime's own functions (:mod:`ipukit.runtime.split_backward`)
-    on the compiled stage and the activation the sharded run passes it. The gradient
-    accumulation a real ``W`` does is the full backward's (sharded run − this direct
-    backward), added to ``W``. ``input_grad`` and ``weight_grad`` are None when the
-    stages cannot be driven directly (inputs other than tensors).
-
-    ``between``: other measurements (leaving the model alone), each followed by another
-    timed call of the same passes, seconds apart: ``timelines`` holds every call's
-    timeline, the first one first, and the costs are the median over all their passes.
-    It may be a function of the timelines so far that returns the measurements (see
-    :func:`_timed_calls`).
+    Returns ``(forward, backward, input_grad, weight_grad, timelines)``: per block, median
+    seconds of its forward and full backward, and of ``I`` (the input's gradient) and ``W``
+    (the weight gradients, plus the accumulation the full backward does), each timed on the
+    compiled stage with :mod:`ipukit.runtime.split_backward`; ``input_grad`` and
+    ``weight_grad`` are None when the stages cannot be driven directly. ``between``: see
+    :func:`_timed_calls`; the costs are the median over every call's passes.
     """
     return _measure(model, sample_inputs, block_order, repeats, True, between)
 
 
 def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], repeats: int,
              split: bool, between: Iterable[Callable[[], object]] = ()):
-    from .core.options import Options
-
     repeats = max(1, int(repeats))
     args = as_args(sample_inputs)
     batch = tuple(_repeat(a, repeats) for a in args)
@@ -245,14 +214,11 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
                                               sharded=True))
     probe = (lambda compiled: _split_probe(compiled, args, repeats)) if split else None
     with action_by_action():   # each pass timed alone, with a pipelined pass's bookkeeping
-        more: List[Timeline] = []
-        timeline, stage_blocks, *halves = _timed_calls(model, batch, options, probe=probe,
-                                                       between=between, more=more)
-    halves = halves[0] if halves else None
+        timelines, stage_blocks, halves = _timed_calls(model, batch, options, probe, between)
     # the median pass: a modeled call sums typical passes, not the fastest
-    costs = (Timeline.concat([timeline] + more) if more else timeline).stage_costs(
+    costs = (Timeline.concat(timelines) if len(timelines) > 1 else timelines[0]).stage_costs(
         statistics.median)
-    per = {k: {b: 0.0 for b in block_order} for k in ("F", "B", "I", "W")}
+    per = {k: {b: 0.0 for b in block_order} for k in "FBIW"}
     for s, names in enumerate(stage_blocks):
         for b in names:   # a stage holds one block here; share its time if it ever holds more
             per["F"][b] += costs["forward"][s] / len(names)
@@ -262,20 +228,15 @@ def _measure(model: torch.nn.Module, sample_inputs, block_order: Sequence[str], 
                 extra = max(0.0, costs["backward"][s] - direct_b)   # accumulation, bookkeeping
                 per["I"][b] += direct_i / len(names)
                 per["W"][b] += (direct_w + extra) / len(names)
-    out = [[per[k][b] for b in block_order] for k in ("F", "B", "I", "W")]
+    out = [[per[k][b] for b in block_order] for k in "FBIW"]
     if halves is None:
         out[2] = out[3] = None
-    if split:
-        return out[0], out[1], out[2], out[3], [timeline] + more
-    return out[0], out[1], out[2], out[3], timeline
+    return (*out, timelines)
 
 
 def _split_probe(compiled, args: Tuple, repeats: int):
     """Per stage of ``compiled`` (a one-block-per-stage training model): median seconds of
     a direct full backward, of ``I`` and of ``W`` (None if the stages cannot be driven)."""
-
-    from .runtime.gpu_clock import on_device_of, settle
-
     if not all(isinstance(a, torch.Tensor) for a in args):
         return None
     partition = compiled.program.partition
@@ -343,9 +304,6 @@ def _split_probe(compiled, args: Tuple, repeats: int):
 
 def _split_halves(seeds, grads, inputs, params, t0: float) -> Tuple[float, float]:
     """A stage's split backward from ``seeds``, begun at ``t0``: seconds of ``I``, of ``W``."""
-    from .runtime.gpu_clock import settle
-    from .runtime.split_backward import backward_input, backward_weight
-
     _, pending = backward_input(seeds, grads, inputs, params)
     settle(seeds)
     t1 = time.perf_counter()
@@ -364,8 +322,6 @@ def balance_by_time(model: torch.nn.Module, sample_inputs, num_ipus: int,
     to the order the model enters its blocks. Returns a :class:`BalanceResult`
     whose ``strategy`` goes straight into ``options.setExecutionStrategy``.
     """
-    from .model import PoplarExecutor
-
     if isinstance(model, PoplarExecutor):
         model = model.model
     order = list(block_order) if block_order is not None else discover_blocks(model, sample_inputs)

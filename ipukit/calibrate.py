@@ -1,36 +1,19 @@
 """Calibrate the schedule model on this machine: ``ipukit.calibrate(model, sample_inputs)``.
 
-Each part of a call's cost is measured **alone**, never by timing the pipelined call the
-table will predict, and all of it on one worker thread with the intra-op threads the
-executor gives a two-worker pipeline's worker (``CostTable.threads``), so sharded and
-pipelined calls are modeled from the same column:
+Each part of a call's cost is measured alone (never by timing the pipelined call the table
+will predict), on one worker thread with the intra-op threads a two-worker pipeline's worker
+gets: each block's forward, backward and split-backward halves ``I`` and ``W`` (every block
+its own stage: :func:`ipukit.balance.measure_split_blocks`); the fixed cost of a pass and
+the host's work around a call; one optimiser step as the runtime steps; one hand-off
+between two workers through the runtime's mailboxes.
 
-- each block's forward and backward, one micro-batch (every block its own stage, run
-  one at a time: :func:`ipukit.balance.measure_split_blocks`), and its split backward's
-  halves ``I`` and ``W``;
-- the fixed cost of one pass (the median gap between consecutive passes of that run) and
-  the host's set-up and gathering around a call;
-- one optimiser step of the training's optimiser type, as the runtime steps, on copies;
-- one hand-off between two workers through the runtime's own mailboxes.
-
-**Guards.** A learner's machine is often busy. The blocks' run is repeated until two
-consecutive runs agree (within :data:`AGREE`, block by block weighted by cost) or ``budget``
-seconds are spent.
-A table is checked before it is returned, and what it cannot settle is listed in
-``CostTable.uncertain`` (each figure drawn from it says so in one sentence):
-
-- the calibrating thread got less than :data:`BUSY_SHARE` of its cores' time (other work
-  on the machine): measured again once, then marked;
-- runs that never agreed within the budget: marked with their spread;
-- a block whose ``I + W`` reads far above its full backward: its halves are dropped
-  (modeled as shares of the backward) and marked;
-- a step far above a direct ``optimizer.step()`` on the same weights: timed again, then
-  marked.
-
-On a GPU the blocks' passes are timed with CUDA events, as in any call; the busy check is
-the CPU's only. Tables are cached per process, keyed by the model's structure, the blocks,
-the batch's shapes and dtypes, the device and the thread count; ``cache_dir`` also keeps
-them as JSON files (e.g. ``~/.cache/ipukit``) for the next session.
+**Guards.** The blocks' run is repeated until two consecutive runs agree (within
+:data:`AGREE`) or ``budget`` seconds are spent. What a table cannot settle is listed in
+``CostTable.uncertain``: a busy machine (the thread got less than :data:`BUSY_SHARE` of its
+cores' time; measured again once), runs that never agreed, a block whose ``I + W`` reads far
+above its full backward (halves dropped), a step far above a direct ``optimizer.step()``
+(timed again). Tables are cached per process, keyed by the model's structure, the blocks,
+the batch, the device and the thread count; ``cache_dir`` also keeps them as JSON files.
 """
 from __future__ import annotations
 
@@ -38,7 +21,6 @@ import hashlib
 import inspect
 import json
 import os
-import resource
 import statistics
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -46,7 +28,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .balance import as_args, discover_blocks, measure_split_blocks
+from .model import PoplarExecutor
+from .runtime.executor import default_threads
 from .runtime.gpu_clock import on_device_of, settle
+from .runtime.update import step as runtime_step
 from .runtime.workers import Exchange, Pool
 from .timeline.costs import CostTable, even_split, model_call  # noqa: F401  (re-exported)
 from .timeline.simulate import available_cores, host_spans
@@ -68,12 +53,9 @@ STEP_LIMIT = 4.0
 
 def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = None,
                  busy_seconds: float = 2e-4) -> float:
-    """Seconds from a worker's ``put`` of a message to the waiting worker's ``take`` returning.
-
-    As in a pipeline: the receiver waits in ``take`` while the sender, having put the
-    message, goes on computing: ``work()`` (:func:`calibrate` passes the model's own
-    forward), or else ``busy_seconds`` of one-thread matrix products. The median of
-    ``messages`` hand-offs, after a tenth for warm-up.
+    """Median seconds from a worker's ``put`` of a message to the waiting worker's ``take``
+    returning, while the sender goes on computing ``work()`` (default: ``busy_seconds`` of
+    matrix products); ``messages`` hand-offs, the first tenth a warm-up.
     """
     box = Exchange()
     waits: list = []
@@ -112,8 +94,7 @@ def handoff_cost(messages: int = 120, work: Optional[Callable[[], object]] = Non
 
 
 def _forward_of(model: torch.nn.Module, args) -> Callable[[], object]:
-    """One forward of a copy of ``model`` (its graph built and dropped): what a stage's
-    worker computes while another waits for its output."""
+    """One forward of a copy of ``model`` (its graph built and dropped)."""
     import copy
 
     twin = copy.deepcopy(model)
@@ -137,17 +118,13 @@ def _fresh_optimizer(params, optimizer):
 def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5,
               between: Optional[Callable[[], object]] = None,
               direct: bool = False) -> float:
-    """Seconds for one optimiser step of ``model``'s weights, on copies (nothing changes).
+    """Median seconds of one optimiser step of ``model``'s weights, on copies.
 
-    ``optimizer`` is the training's optimiser (its type and settings are used on fresh
-    state) or None for plain SGD. The step is the runtime's own (``runtime.update.step``:
-    the accumulated gradients scaled by the Mean rule, then the optimiser's step), or with
-    ``direct`` a plain ``optimizer.step()`` on the same weights (the guard's reference).
-    ``between()``, when given, runs before each timed step, as a call's passes precede its
-    step. The median of ``repeats``, after a first step that creates the state.
+    ``optimizer``: the training's optimiser (its type and settings, on fresh state) or None
+    for SGD. The step is the runtime's (``runtime.update.step``), or with ``direct`` a plain
+    ``optimizer.step()``. ``between()``, when given, runs before each of the ``repeats``
+    timed steps (after a first step that creates the state).
     """
-    from .runtime.update import step as runtime_step
-
     params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()
               if p.requires_grad]
     if not params:
@@ -172,8 +149,7 @@ def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5,
 
 
 def _run_on_worker(work: Callable[[], None], name: str) -> None:
-    """``work()`` on a thread of its own; Ctrl-C waits for it (it leaves the model as it
-    was), and what it raises is raised again here."""
+    """``work()`` on a thread of its own (Ctrl-C waits for it); its exception is raised here."""
     pool = Pool([name], lambda i: work()).start()
     pool.join()
     if pool.error is not None:
@@ -199,37 +175,9 @@ def _block_totals(timeline) -> List[float]:
 
 
 def _spread(a: Sequence[float], b: Sequence[float]) -> float:
-    """How far apart two runs' block totals are: their differences over their sizes, each
-    block weighted by its cost (a tiny block's jitter does not decide)."""
+    """How far apart two runs' block totals are, each block weighted by its cost."""
     total = sum(max(x, y) for x, y in zip(a, b))
     return sum(abs(x - y) for x, y in zip(a, b)) / total if total > 0 else 0.0
-
-
-class _CpuShare:
-    """The share of its cores' time this process got while measuring: process CPU time
-    over wall time × the intra-op threads (1: the machine was ours)."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = max(1, threads)
-        self.cpu = self.wall = 0.0
-
-    def __enter__(self):
-        self._t = time.perf_counter()
-        self._c = self._cpu()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.wall += time.perf_counter() - self._t
-        self.cpu += self._cpu() - self._c
-
-    @staticmethod
-    def _cpu() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    @property
-    def share(self) -> float:
-        return self.cpu / (self.wall * self.threads) if self.wall > 0 else 1.0
 
 
 def _key(model: torch.nn.Module, blocks: Sequence[str], args: Tuple, repeats: int) -> str:
@@ -249,16 +197,13 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
     """Measure ``model``'s cost table on this machine (see the module docstring).
 
     ``sample_inputs`` is one micro-batch: a tensor, or a tuple of the model's arguments
-    (its labels included: the model must return its loss from its last block, as any
-    ipukit training model). The user's model is left as it was (weights, buffers,
-    random state). ``optimizer``: the training's optimiser, whose step is timed on copies
-    of the weights (default: SGD). ``budget``: seconds the guards may spend repeating the
-    blocks' run until two runs agree. A second call with the same model structure,
-    blocks, batch and optimiser type returns the cached table; a table marked uncertain
-    is not written to ``cache_dir``.
+    (labels included: the model returns its loss from its last block). The model is left
+    as it was. ``optimizer``: the training's optimiser, whose step is timed on copies of the
+    weights (default: SGD). ``budget``: seconds the guards may spend repeating the blocks'
+    run until two runs agree. A second call with the same model structure, blocks, batch and
+    optimiser type returns the cached table; a table marked uncertain is not written to
+    ``cache_dir``.
     """
-    from .model import PoplarExecutor
-
     if isinstance(model, PoplarExecutor):
         model = model.model
     args = as_args(sample_inputs)
@@ -274,8 +219,6 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
         _CACHE[key] = table
         return table
     started = time.perf_counter()
-    from .runtime.executor import default_threads
-
     threads = default_threads(2)
     found: list = []
 
@@ -299,12 +242,10 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
 
 def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeats: int,
                    optimizer, threads: int, budget: float) -> CostTable:
-    """Every part of the cost table, each measured alone, with the guards of the module
-    docstring (runs on the calibrating worker thread)."""
+    """Every part of the cost table, with the module docstring's guards (on the worker)."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     uncertain: List[str] = []
     found: Dict[str, float] = {}
-    cpu = _CpuShare(threads)
 
     def handoff_and_step() -> None:
         forward = _forward_of(model, args)
@@ -313,8 +254,8 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
         found["direct_step"] = step_cost(model, optimizer, direct=True)
 
     def rounds(timelines: List) -> Iterator[Callable[[], object]]:
-        """The measurements between the blocks' runs: first the other parts (once), then
-        nothing, run after run, until the last two runs agree or the budget is spent."""
+        """Between the blocks' runs: the other parts once, then nothing until the last two
+        runs agree or the budget is spent."""
         if "step" not in found:
             yield handoff_and_step
         deadline = time.perf_counter() + budget
@@ -324,18 +265,20 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
                 return
             yield lambda: None
 
-    def measure(share: _CpuShare):
-        with share:
-            return measure_split_blocks(model, args, order, repeats, between=rounds)
+    def measure():
+        """The blocks' run, and the share of its cores' time this process got (1: all)."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = measure_split_blocks(model, args, order, repeats, between=rounds)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return out, (cpu / (wall * max(1, threads)) if wall > 0 else 1.0)
 
-    fwd, bwd, input_grad, weight_grad, timelines = measure(cpu)
-    if on_cpu and cpu.share < BUSY_SHARE:    # other work on the machine: measure once more
-        cpu = _CpuShare(threads)
-        fwd, bwd, input_grad, weight_grad, timelines = measure(cpu)
+    (fwd, bwd, input_grad, weight_grad, timelines), share = measure()
+    if on_cpu and share < BUSY_SHARE:    # other work on the machine: measure once more
+        (fwd, bwd, input_grad, weight_grad, timelines), share = measure()
     totals = [_block_totals(t) for t in timelines]
     spread = _spread(totals[-1], totals[-2]) if len(totals) >= 2 else 0.0
-    if on_cpu and cpu.share < BUSY_SHARE:
-        uncertain.append(f"the machine was busy (the calibration got {cpu.share:.0%} of "
+    if on_cpu and share < BUSY_SHARE:
+        uncertain.append(f"the machine was busy (the calibration got {share:.0%} of "
                          "its cores' time)")
     if spread > AGREE:
         uncertain.append(f"repeated runs of the blocks disagreed by up to {spread:.0%}")
@@ -354,8 +297,7 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
                              f"{found['direct_step'] * 1e3:.2f} ms for a direct step")
     before, after = host_spans(timelines[0])
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-    device = str(next(model.parameters()).device) if any(True for _ in model.parameters()) \
-        else "cpu"
+    device = str(next((p.device for p in model.parameters()), "cpu"))
     return CostTable(
         blocks=order, forward=fwd, backward=bwd, per_pass=_pass_gap(timelines),
         handoff=found["handoff"], step=step, host_before=before, host_after=after,
@@ -366,4 +308,4 @@ def _measure_table(model: torch.nn.Module, args: Tuple, order: List[str], repeat
                            f"intra-op thread(s), the median of {repeats} micro-batches over "
                            f"{len(timelines)} runs; each block's split backward (I, W) "
                            "alone; a hand-off to a waiting worker; the optimiser's step",
-               "cpu_share": f"{cpu.share:.2f}", "spread": f"{spread:.3f}"})
+               "cpu_share": f"{share:.2f}", "spread": f"{spread:.3f}"})

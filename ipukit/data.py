@@ -1,26 +1,14 @@
 """PopTorch's DataLoader: batches of ``combinedBatchSize`` samples per model call.
 
 A model call consumes ``batch_size × deviceIterations × replicationFactor ×
-gradientAccumulation`` samples; the DataLoader builds exactly such batches, so
-each batch is one call. ``drop_last=True`` (PopTorch's default) keeps every
-batch full — a compiled model runs one input shape. ``DataLoaderMode.Async``
-loads batches ahead on a background thread while the model runs.
+gradientAccumulation`` samples and each batch is one call. PopTorch's rules for its other
+ways to batch are kept:
 
-PopTorch's other ways to batch, with its rules:
-
-- ``batch_sampler=``: each yielded batch concatenates ``deviceIterations ×
-  replicationFactor × gradientAccumulation`` consecutive batches of the sampler
-  (``batch_size`` must stay 1 and ``shuffle`` unset; the micro-batch size is
-  the sampler's ``batch_size``); ``drop_last`` drops a last, incomplete group.
-- ``DataLoaderMode.AsyncRebatched`` (and ``Async`` with ``drop_last=False``):
-  torch loads batches of ``rebatched_worker_size`` samples (default: the
-  combined batch size) keeping every sample, and they are cut into combined
-  batches as one stream, so no worker's leftover samples are lost; ``drop_last``
-  then drops only the stream's incomplete tail.
-- ``batch_size=None``: no automatic batching; each item of the dataset is one
-  whole batch (torch's rule: needs ``drop_last=False``).
-
-``len(loader)`` is the number of batches an epoch yields in every mode.
+- ``batch_sampler=``: each batch concatenates ``deviceIterations × replicationFactor ×
+  gradientAccumulation`` consecutive batches of the sampler (``batch_size`` stays 1).
+- ``DataLoaderMode.AsyncRebatched`` (and ``Async`` with ``drop_last=False``): workers load
+  batches of ``rebatched_worker_size`` samples, cut into combined batches as one stream.
+- ``batch_size=None``: each item of the dataset is one whole batch (needs ``drop_last=False``).
 """
 from __future__ import annotations
 
@@ -34,21 +22,17 @@ import torch
 
 from ._torch import pytree
 from .core.enums import DataLoaderMode
-from .core.errors import DataError, Error, LoaderLengthError, OptionsError
+from .core.errors import DataError, LoaderLengthError, OptionsError
 from .core.options import Options
 
-#: The keyword arguments PopTorch's ``async_options`` accepted (those of its
-#: ``AsynchronousDataAccessor``); ipukit uses ``buffer_size`` and accepts the others.
+#: PopTorch's ``async_options`` keywords; ipukit uses ``buffer_size`` and accepts the others.
 ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "early_preload",
                  "sharing_strategy")
 
 
 def _warn_incomplete_last_batch(dataset, combined: int, drop_last: bool) -> None:
-    """PopTorch's warning: with drop_last=False the last batch may not fit the model.
-
-    And a dataset smaller than one combined batch, with drop_last, yields no
-    batch at all: say so rather than train on nothing.
-    """
+    """PopTorch's warning that the last batch may not fit the model (drop_last=False), and
+    one for a dataset smaller than one combined batch (drop_last=True: no batch at all)."""
     try:
         size = len(dataset)
     except TypeError:  # an iterable dataset has no length
@@ -94,7 +78,12 @@ def _positive_int(value: Any) -> bool:
 
 
 class DataLoader(torch.utils.data.DataLoader):
-    """``torch.utils.data.DataLoader`` whose batches are whole model calls."""
+    """``torch.utils.data.DataLoader`` whose batches are whole model calls.
+
+    ``drop_last=True`` (PopTorch's default) keeps every batch full: a compiled model runs one
+    input shape. ``DataLoaderMode.Async`` loads batches ahead on a thread. ``len(loader)`` is
+    the number of batches an epoch yields in every mode.
+    """
 
     def __init__(self, options: Options, dataset, batch_size: Optional[int] = 1,
                  shuffle: Optional[bool] = None, num_workers: int = 0, drop_last: bool = True,
@@ -275,32 +264,20 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __len__(self) -> int:
         """Batches per epoch: what iterating the loader yields (PopTorch's count)."""
-        if self._combine:
-            try:
-                batches = len(self.batch_sampler)
-            except (TypeError, NotImplementedError) as exc:
-                raise LoaderLengthError(
-                    f"ipukit.DataLoader: len() needs the length of the batch_sampler "
-                    f"({type(self.batch_sampler).__name__}), which has none ({exc}). Define "
-                    "__len__ on the batch sampler, or count the batches by iterating.") from exc
-            return _groups(batches, self._per_call, self._user_drop_last)
-        if self._rebatch:
-            source = self.dataset if self._is_iterable else self.sampler
-            try:
-                samples = len(source)
-            except TypeError as exc:
-                raise LoaderLengthError(
-                    f"ipukit.DataLoader: len() needs the number of samples, and "
-                    f"{type(source).__name__} has no __len__. Define __len__ on the dataset, "
-                    "or count the batches by iterating.") from exc
-            return _groups(samples, self._combined_batch_size, self._user_drop_last)
+        source = self.batch_sampler if self._combine else (
+            self.sampler if self._rebatch and not self._is_iterable else self.dataset)
         try:
+            if self._combine:
+                return _groups(len(source), self._per_call, self._user_drop_last)
+            if self._rebatch:
+                return _groups(len(source), self._combined_batch_size, self._user_drop_last)
             return super().__len__()
-        except TypeError as exc:
+        except (TypeError, NotImplementedError) as exc:
+            what = "batch sampler" if self._combine else "dataset"
             raise LoaderLengthError(
-                f"ipukit.DataLoader: len() needs the dataset's length, and "
-                f"{type(self.dataset).__name__} has no __len__ ({exc}). Define __len__ on the "
-                "dataset, or count the batches by iterating.") from exc
+                f"ipukit.DataLoader: len() needs the length of the {what}, and "
+                f"{type(source).__name__} has no __len__ ({exc}). Define __len__ on the "
+                f"{what}, or count the batches by iterating.") from exc
 
     def __iter__(self) -> Iterator[Any]:
         self.terminate()  # a pass left early must stop loading before torch's iterator resets
@@ -318,9 +295,13 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def terminate(self) -> None:
         """Stop loading ahead for the current pass (PopTorch's method)."""
-        active = self.__dict__.pop("_prefetch", None)
-        if active is not None:
-            active.close()
+        _terminate(self)
+
+
+def _terminate(owner) -> None:
+    active = owner.__dict__.pop("_prefetch", None)
+    if active is not None:
+        active.close()
 
 
 def _groups(items: int, per_group: int, drop_last: bool) -> int:
@@ -330,11 +311,8 @@ def _groups(items: int, per_group: int, drop_last: bool) -> int:
 
 
 def _tagged(batches: Iterator[Any], factor: int) -> Iterator[Any]:
-    """Mark each batch's first tensor with the micro-batches per call it was built for.
-
-    A model called with a batch built for other Options warns (its
-    micro-batches would silently hold another number of samples).
-    """
+    """Mark each batch's first tensor with the micro-batches per call it was built for (a
+    model whose Options differ warns)."""
     for batch in batches:
         first = batch
         while isinstance(first, (list, tuple)) and first:
@@ -412,9 +390,8 @@ def _rebatched(batches: Iterator[Any], size: int, drop_last: bool) -> Iterator[A
 class AsynchronousDataAccessor:
     """Iterate a DataLoader (or any iterable) with batches loaded ahead on a thread.
 
-    ``rebatched_size`` (PopTorch's argument) cuts the batches, as one stream of
-    samples, into batches of that many; the incomplete tail is dropped unless the
-    DataLoader rebatches with ``drop_last=False`` itself.
+    ``rebatched_size`` cuts the batches, as one stream of samples, into batches of that many;
+    the incomplete tail is dropped unless the DataLoader rebatches with ``drop_last=False``.
     """
 
     def __init__(self, dataset, buffer_size: int = 3, rebatched_size: Optional[int] = None,
@@ -454,9 +431,7 @@ class AsynchronousDataAccessor:
 
     def terminate(self) -> None:
         """Stop loading ahead for the current pass."""
-        active = self.__dict__.pop("_prefetch", None)
-        if active is not None:
-            active.close()
+        _terminate(self)
 
 
 _END = object()
@@ -465,9 +440,8 @@ _END = object()
 class _Prefetch:
     """Iterates ``iterator`` while a daemon thread loads up to ``depth`` items ahead.
 
-    ``close()`` stops the thread and waits for it, so a new pass over a
-    DataLoader never shares torch's (persistent-worker) iterator with the
-    loading thread of a pass that was left early.
+    ``close()`` stops the thread and waits for it, so a new pass never shares torch's
+    iterator with the loading thread of a pass that was left early.
     """
 
     def __init__(self, iterator: Iterator[Any], depth: int) -> None:
@@ -512,11 +486,8 @@ class _Prefetch:
         return item
 
     def close(self) -> None:
-        """Stop loading ahead; returns once the loading thread has finished.
-
-        The thread only ever blocks in a ``put`` that gives up once stopped, or
-        inside torch's iterator (one batch); emptying the buffer frees it at once.
-        """
+        """Stop loading ahead; returns once the loading thread has finished (emptying the
+        buffer frees a blocked ``put``)."""
         self._stop.set()
         if self._thread is threading.current_thread():
             return

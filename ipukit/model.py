@@ -1,18 +1,11 @@
 """``trainingModel`` and ``inferenceModel``: PopTorch's model wrappers.
 
-The wrapper (:class:`PoplarExecutor`, PopTorch's name) compiles on the first
-call (:mod:`ipukit.compile.compiler` builds a frozen :class:`~ipukit.compile.program.Program`);
-each call then splits the combined batch (:mod:`ipukit.core.batching`), runs the
-program's schedule on per-IPU workers (:mod:`ipukit.runtime.executor`) and returns
-outputs per the output mode. The stages share the user's ``Parameter``
-objects, so the user's module, a training model and an inference model of it
-always see the same weights (a host write is seen by the next call, a call's
-update by the host at once). A call with inputs of another shape, dtype or
-structure recompiles (with a warning; PopTorch raised an error), and so does a
-call after ``destroy()``. Inputs the model changes in place are written back
-into the caller's tensors. PopTorch's other wrapper methods (state, device,
-weights, anchors) are at the end of the class; its custom argument parsers
-(:class:`ICustomArgParser`, :func:`registerCustomArgParser`) at the end of the module.
+The wrapper (:class:`PoplarExecutor`) compiles on the first call into a frozen
+:class:`~ipukit.compile.program.Program`; each call splits the combined batch, runs the
+program's schedule on per-IPU workers and returns outputs per the output mode. The stages
+share the user's ``Parameter`` objects, so the module and every wrapper of it see the same
+weights. Inputs of another shape, dtype or structure recompile (with a warning; PopTorch
+raised an error); inputs the model changes in place are written back to the caller's tensors.
 """
 from __future__ import annotations
 
@@ -47,13 +40,11 @@ from .timeline.events import Event, Timeline
 # instead of an AttributeError naming the user's model class.
 _TIMELINE = ("ipukit measures wall-clock spans instead: model.getTimeline() holds every "
              "micro-batch's forward/backward per virtual IPU and the host's work.")
+_COUNTERS = "there are no IPU host-transfer counters; " + _TIMELINE
 _IPU_ONLY_METHODS = {
     "cycleCount": "there are no IPU cycles to count; " + _TIMELINE,
-    "getPerfCounters": "there are no IPU host-transfer counters; " + _TIMELINE,
-    "getLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
-    "getHostIpuLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
-    "getComputeLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
-    "getIpuHostLatency": "there are no IPU host-transfer counters; " + _TIMELINE,
+    **dict.fromkeys(("getPerfCounters", "getLatency", "getHostIpuLatency", "getComputeLatency",
+                     "getIpuHostLatency"), _COUNTERS),
     "save": ("ipukit has no IPU executable to save; save the weights with "
              "torch.save(model.state_dict(), path)."),
     "compileAndExport": ("ipukit has no IPU executable to export; a model is traced when "
@@ -138,9 +129,7 @@ def _checked_arguments(model: torch.nn.Module, options: Optional[Options], train
 
 
 class InputBinder:
-    """How a call's arguments become a program's flat inputs (a collaborator of
-    :class:`PoplarExecutor`): keyword arguments bound in ``forward``'s order, plain
-    positional tensors flattened without pytree."""
+    """A call's arguments as a program's flat inputs (keyword arguments in ``forward``'s order)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -148,10 +137,8 @@ class InputBinder:
         self._positional_specs: dict = {}
 
     def ordered_kwargs(self, kwargs: dict) -> dict:
-        """Keyword arguments bound to ``forward``'s named parameters in its order, so the
-        order a call names them in never makes it look like other inputs (PopTorch bound
-        them to forward's names); the others (for ``**kwargs``) keep the call's order, which
-        forward can see."""
+        """``kwargs`` in ``forward``'s parameter order (PopTorch bound them by name), so the
+        order a call names them in never makes them other inputs; ``**kwargs`` ones last."""
         if len(kwargs) < 2:
             return kwargs
         if self._rank is None:
@@ -180,11 +167,10 @@ class InputBinder:
 
 
 class TensorWatch:
-    """The module's parameters and buffers that a compiled program holds (a collaborator of
-    :class:`PoplarExecutor`): one replaced or removed since would be silently ignored, so it
-    is an error. Checked in full only when torch registered a parameter, buffer or module
-    anywhere since the last check (the registration hooks count them), so a call pays
-    nothing otherwise."""
+    """Refuses a call after a parameter or buffer the program holds was replaced or removed.
+
+    Checked in full only when torch registered a parameter, buffer or module anywhere since
+    the last check, so a call pays nothing otherwise."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -195,12 +181,7 @@ class TensorWatch:
         return _REGISTRATIONS[0]
 
     def checked(self) -> None:
-        """The module's tensors are the program's as of now."""
         self.seen = _REGISTRATIONS[0]
-
-    def forget(self) -> None:
-        """Check in full at the next call."""
-        self.seen = None
 
     def before_call(self, program: Program) -> None:
         if self.seen == _REGISTRATIONS[0]:
@@ -211,8 +192,7 @@ class TensorWatch:
         self.checked()
 
     def after_call(self, program: Program, snapshot, registrations: int) -> None:
-        """A forward that ran eagerly (a one-stage model) and replaced or removed one of the
-        module's parameters or buffers: PopTorch's error, after undoing the call."""
+        """An eager forward that replaced or removed a parameter or buffer: undo the call, raise."""
         if _REGISTRATIONS[0] == registrations:  # nothing was assigned while it ran
             return
         changes = compiler.changed_tensors(self.module, program.module_tensors)
@@ -226,10 +206,8 @@ class TensorWatch:
         self.checked()
 
     def copy_to_device(self, program: Program, which) -> None:
-        """Put every replaced parameter/buffer's values back into the compiled tensor.
-
-        Everything is checked before anything is written: a removed tensor or a shape
-        that differs is an error that changes nothing."""
+        """Copy each replaced parameter/buffer's values into the compiled tensor (everything
+        is checked before anything is written)."""
         model = self.module
         changes = compiler.changed_tensors(model, program.module_tensors)
         if which is not None:
@@ -252,7 +230,7 @@ class TensorWatch:
                 old = compiled[(kind, name)]
                 old.copy_(now[(kind, name)])
                 compiler.put_back(model, kind, name, old)
-        self.forget()  # check in full at the next call
+        self.seen = None  # check in full at the next call
 
 
 class PoplarExecutor:
@@ -273,7 +251,8 @@ class PoplarExecutor:
         d["_program"] = None
         d["_attached"] = False
         d["_timeline"] = None
-        d["_timelines_kept"] = []
+        d["_timeline_source"] = None
+        d["_loader_warned"] = False
         d["_calls"] = 0
         d["_anchored"] = {}
         d["_inputs"] = InputBinder(model)      # a call's arguments → flat inputs
@@ -281,17 +260,16 @@ class PoplarExecutor:
         d["_destroyed"] = False
         d["_snapshot"] = StateSnapshot()
         d["_keeps_memory"] = None              # decided at the first call (host_memory)
-        #: what a runtime keeps for this model between calls (the process runtime's
-        #: stages and group); forgotten by destroy()
-        d["runtime_state"] = {}
+        d["runtime_state"] = {}                # the process runtime's; forgotten by destroy()
         if training:
             _TRAINING_WRAPPERS[model] = weakref.ref(self)
 
     # -- attribute pass-through -------------------------------------------------
     def __getattr__(self, name: str):
-        stand_in = ipu_only_method(name)
-        if stand_in is not None:
-            return stand_in
+        if name in _IPU_ONLY_METHODS:
+            def unsupported(*args, **kwargs):
+                raise UnsupportedError(f"{name}(): {_IPU_ONLY_METHODS[name]}")
+            return unsupported
         return getattr(self.__dict__["_user_model"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -405,14 +383,9 @@ class PoplarExecutor:
             flat = _cast_doubles(flat)
         _warn_other_loader(flat, self)
         program = self._program
-        if program is None:
-            self._compile(flat, spec, args, kwargs)
-            program = self._program
-            t_call = time.perf_counter()
-        elif not program.same_inputs(flat, spec):
-            self._recompile(flat, spec, args, kwargs)
-            program = self._program
-            t_call = time.perf_counter()
+        if program is None or not program.same_inputs(flat, spec):
+            (self._compile if program is None else self._recompile)(flat, spec, args, kwargs)
+            program, t_call = self._program, time.perf_counter()
         else:
             self._watch.before_call(program)
         if not self._attached:
@@ -440,8 +413,8 @@ class PoplarExecutor:
             except RuntimeError as exc:
                 if self._calls or "dtype" not in str(exc) or isinstance(exc, Error):
                     raise
-                raise InputShapeError(f"{exc}\n{compiler.dtype_hint(program.input_names, flat, self._user_model)}"
-                                      ) from exc
+                hint = compiler.dtype_hint(program.input_names, flat, self._user_model)
+                raise InputShapeError(f"{exc}\n{hint}") from exc
             self._watch.after_call(program, snapshot, registrations)
             t_gather = time.perf_counter()
             if program.mutated_inputs:
@@ -456,19 +429,16 @@ class PoplarExecutor:
         return result
 
     def _keep_timeline(self, timeline) -> None:
-        """The last call's timeline (``getTimeline()``), written out when ``profileDir`` is set
-        (with stages as processes, by process 0 only: its timeline holds every process's).
-        ``timeline`` may be a function that builds it: it then runs when the timeline is
-        first read (at once when it must be written out)."""
+        """Keep the last call's timeline, written out when ``profileDir`` is set (with stages
+        as processes, by process 0 only). A function building it runs on first read."""
         if timeline is None:
             return
         if not isinstance(timeline, Timeline):
             if not self._options.profile_dir:
-                self.__dict__["_timeline_source"], self._timeline = timeline, None
+                self._timeline_source, self._timeline = timeline, None
                 return
             timeline = timeline()
-        self.__dict__["_timeline_source"] = None
-        self._timeline = timeline
+        self._timeline_source, self._timeline = None, timeline
         if self._options.profile_dir and timeline.meta.get("gathered", True):
             from .viz.profile import write_profile
 
@@ -483,11 +453,14 @@ class PoplarExecutor:
                                       batching.factor, batching.device_iterations)
 
     # -- PopTorch's other wrapper methods: state, device, weights, anchors ------------
+    def _compiled(self) -> Program:
+        if self._program is None:
+            raise ModelStateError(NOT_COMPILED)
+        return self._program
 
     def getTensorNames(self) -> List[str]:
         """The tensors ``Options.anchorTensor`` can name for this model (see :mod:`ipukit.anchors`)."""
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
+        self._compiled()
         return anchors.tensor_names(self._user_model, self._training)
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
@@ -505,9 +478,8 @@ class PoplarExecutor:
 
     def getTimeline(self) -> Optional[Timeline]:
         """The measured :class:`~ipukit.Timeline` of the last call (None before any call)."""
-        source = self.__dict__.get("_timeline_source")
-        if source is not None:  # built on first read (stages as processes)
-            self.__dict__["_timeline_source"], self._timeline = None, source()
+        if self._timeline_source is not None:  # built on first read
+            self._timeline_source, self._timeline = None, self._timeline_source()
         return self._timeline
 
     def isCompiled(self) -> bool:
@@ -518,16 +490,14 @@ class PoplarExecutor:
 
     def detachFromDevice(self) -> None:
         """Release the virtual IPUs (the next call attaches again)."""
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
+        self._compiled()
         if not self._attached:
             raise ModelStateError("Device is not attached: call attachToDevice() first, or just "
                                   "call the model, which attaches it.")
         self._attached = False
 
     def attachToDevice(self) -> None:
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
+        self._compiled()
         if self._attached:
             raise ModelStateError("Device is already attached.")
         self._attached = True
@@ -535,8 +505,7 @@ class PoplarExecutor:
     def copyWeightsToHost(self) -> None:
         """Weights are shared with the host module: nothing to copy in one process. With stages
         as processes, every process gets every stage's weights (a collective: call it on all)."""
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
+        self._compiled()
         if self._options.Distributed.numProcesses > 1:
             from .runtime.processes import runtime as distributed
 
@@ -545,32 +514,22 @@ class PoplarExecutor:
     def copyWeightsToDevice(self) -> None:
         """Copy the host module's parameters and buffers to the compiled model.
 
-        They are shared with the host module, so an in-place write (``load_state_dict``,
-        ``p.data.copy_``, ``p.data = t``) needs no copy. A parameter or buffer the host
-        replaced by another tensor since compiling has its values copied into the
-        compiled one, which takes its place in the module again (the optimiser keeps
-        updating it).
+        They are shared with the host module, so in-place writes need no copy; a parameter
+        or buffer replaced by another tensor since compiling has its values copied into the
+        compiled one, which takes its place in the module again.
         """
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
-        self._watch.copy_to_device(self._program, None)
+        self._watch.copy_to_device(self._compiled(), None)
 
     def copyNamedBuffersToDevice(self) -> None:
-        """Copy the host module's buffers named in ``Options.updatableNamedBuffers`` (every
-        buffer when the option is not set) to the compiled model; see
-        :meth:`copyWeightsToDevice`. Buffers are shared with the host, so in-place writes
-        are seen without it; a buffer replaced by another tensor is copied back in place."""
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
+        """:meth:`copyWeightsToDevice` for the buffers named in
+        ``Options.updatableNamedBuffers`` (every buffer when the option is not set)."""
+        program = self._compiled()
         names = compiler.updatable_buffers(self._options)
-        self._watch.copy_to_device(self._program,
-                                   ("Buffer", None if names is None else set(names)))
+        self._watch.copy_to_device(program, ("Buffer", None if names is None else set(names)))
 
     def compilationTime(self) -> datetime.timedelta:
         """How long tracing and partitioning the model took (its "compilation")."""
-        if self._program is None:
-            raise ModelStateError(NOT_COMPILED)
-        return datetime.timedelta(seconds=self._program.compile_seconds)
+        return datetime.timedelta(seconds=self._compiled().compile_seconds)
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         return False
@@ -587,36 +546,31 @@ class PoplarExecutor:
     def destroy(self) -> None:
         """Forget the compiled model and unwrap the module (it can be wrapped again).
 
-        Calling the wrapper again compiles it again, as in PopTorch, with the same
-        weights and optimiser (and wraps the module again); a training wrapper whose
-        module another training wrapper took meanwhile refuses, so two training
-        wrappers of one module never both train.
+        Calling the wrapper again recompiles it with the same weights and optimiser, unless
+        another training wrapper of the module was made meanwhile.
         """
         self._destroyed = True
         self._program = None
         self.runtime_state.clear()
         self._attached = False
-        forget_training_wrapper(self)
+        if self._training and training_wrapper(self._user_model) is self:
+            del _TRAINING_WRAPPERS[self._user_model]
 
 
 def _own_copies(micro: List[list], mutated: Dict[int, torch.device]) -> None:
-    """Inputs the model changes in place: each micro-batch gets its own copy (on the device
-    of the stage that reads it), so the change lands where :func:`_write_back` finds it and
-    no micro-batch's change disturbs another's saved tensors."""
+    """Each micro-batch gets its own copy of an input the model changes in place (on the
+    device of the stage that reads it), for :func:`_write_back`."""
     for i, device in mutated.items():
         for row in micro:
             row[i] = row[i].to(device, copy=True)
 
 
 def _write_back(callers: List[Any], micro: List[list], mutated: Dict[int, torch.device]) -> None:
-    """Copy what the model wrote into its inputs back into the caller's tensors, as eager
-    PyTorch and PopTorch leave them (after a call that succeeded only)."""
+    """Copy what the model wrote into its inputs back into the caller's tensors."""
     with torch.no_grad():
         for i in mutated:
-            target = callers[i]
             pieces = [row[i] for row in micro]
-            value = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            target.copy_(value)
+            callers[i].copy_(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
 
 
 def _host_change_message(kind: str, name: str, how: str) -> str:
@@ -650,11 +604,8 @@ def _outputs(program: Program, rows: List[list], micro: List[list]):
 
 
 def _call_timeline(wrapper: "PoplarExecutor", runner, flat, t_call, t_run, t_gather):
-    """The measured timeline of a call: the workers' spans plus the host's before and after.
-
-    Returns a function that builds it (``_keep_timeline`` calls it when the timeline is
-    first read, or at once when it is written out): a call pays for its spans, not for
-    turning them into a sorted :class:`Timeline` nobody reads."""
+    """A function building the call's timeline (the workers' spans and the host's before and
+    after), so a call does not pay for a :class:`Timeline` nobody reads."""
     samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
     source = runner.timeline_source(samples)
     now = time.perf_counter()
@@ -679,9 +630,9 @@ def _warn_other_loader(flat, model: "PoplarExecutor") -> None:
     """A batch from an ipukit.DataLoader built for other Options changes the micro-batch size."""
     first = flat[0] if flat else None
     factor = getattr(first, "_ipukit_combined_factor", None)
-    if factor is None or factor == model._batching().factor or model.__dict__.get("_loader_warned"):
+    if factor is None or factor == model._batching().factor or model._loader_warned:
         return
-    model.__dict__["_loader_warned"] = True
+    model._loader_warned = True
     warnings.warn(
         f"ipukit: this batch comes from an ipukit.DataLoader built for Options with "
         f"{factor} micro-batches per call, but the model's Options take "
@@ -696,16 +647,9 @@ def _warn_other_loader(flat, model: "PoplarExecutor") -> None:
 _TRAINING_WRAPPERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def forget_training_wrapper(wrapper: PoplarExecutor) -> None:
-    """``wrapper.destroy()``: its module may be wrapped for training again."""
-    if wrapper.training and training_wrapper(wrapper.model) is wrapper:
-        del _TRAINING_WRAPPERS[wrapper.model]
-
-
 @contextlib.contextmanager
 def training_wrapper_set_aside(model: torch.nn.Module):
-    """While inside: ``model`` counts as not wrapped for training, so a throw-away training
-    model of it can be made (``balance`` times one); the user's wrapper is back afterwards."""
+    """While inside, ``model`` counts as not wrapped for training (for a throw-away one)."""
     ref = _TRAINING_WRAPPERS.pop(model, None)
     try:
         yield
@@ -768,8 +712,11 @@ def registerPostCompileHook(hook) -> torch.utils.hooks.RemovableHandle:
     return _register(_POST_COMPILE_HOOKS, hook, "Post-compile")
 
 
-def _unwrap(model):
-    return model._user_model if isinstance(model, PoplarExecutor) else model
+def _module_of(model, what: str) -> torch.nn.Module:
+    model = model._user_model if isinstance(model, PoplarExecutor) else model
+    if not isinstance(model, torch.nn.Module):
+        raise OptionsError(f"{what}({model!r}): expected a torch.nn.Module.")
+    return model
 
 
 def trainingModel(model: torch.nn.Module, options: Optional[Options] = None,
@@ -778,9 +725,7 @@ def trainingModel(model: torch.nn.Module, options: Optional[Options] = None,
 
     The default optimizer, as in PopTorch, is ``SGD(lr=0.01)``.
     """
-    model = _unwrap(model)
-    if not isinstance(model, torch.nn.Module):
-        raise OptionsError(f"trainingModel({model!r}): expected a torch.nn.Module.")
+    model = _module_of(model, "trainingModel")
     if training_wrapper(model) is not None:
         raise ModelStateError(ALREADY_WRAPPED)
     return PoplarExecutor(model, options, training=True, optimizer=optimizer)
@@ -789,34 +734,17 @@ def trainingModel(model: torch.nn.Module, options: Optional[Options] = None,
 def inferenceModel(model: torch.nn.Module, options: Optional[Options] = None) -> PoplarExecutor:
     """Wrap ``model`` for inference; PopTorch's ``inferenceModel``.
 
-    It shares weights with any training model of the same module: inference
-    sees the latest training step.
+    It shares weights with any training model of the same module, so it sees the latest step.
     """
-    model = _unwrap(model)
-    if not isinstance(model, torch.nn.Module):
-        raise OptionsError(f"inferenceModel({model!r}): expected a torch.nn.Module.")
-    return PoplarExecutor(model, options, training=False)
-
-
-def ipu_only_method(name: str):
-    """A stand-in for a PopTorch method that has no meaning off the IPU, or None."""
-    if name not in _IPU_ONLY_METHODS:
-        return None
-
-    def unsupported(*args, **kwargs):
-        raise UnsupportedError(f"{name}(): {_IPU_ONLY_METHODS[name]}")
-    return unsupported
+    return PoplarExecutor(_module_of(model, "inferenceModel"), options, training=False)
 
 
 # -- PopTorch's custom argument parsers --------------------------------------------------
 
 class ICustomArgParser(abc.ABC):
-    """PopTorch's interface for a batch type of your own: how to find its tensors and how
-    to rebuild it from (other) tensors.
-
-    Register one with :func:`registerCustomArgParser`; an argument of that type then
-    reaches ``forward`` rebuilt per micro-batch, its tensors split along dimension 0 like
-    any other input's.
+    """PopTorch's interface for a batch type of your own: how to find its tensors and how to
+    rebuild it. Registered with :func:`registerCustomArgParser`, an argument of that type
+    reaches ``forward`` rebuilt per micro-batch, its tensors split along dimension 0.
     """
 
     @abc.abstractmethod
@@ -834,9 +762,8 @@ _FLATTENED_TYPES: set = set()  # the types told to torch's pytree (once each)
 
 
 class _Parsed:
-    """The pytree context of an argument a custom parser flattened: the object the model
-    was compiled with (``reconstruct``'s template) and the parser. Two contexts match when
-    the type and the parser do: PopTorch compared only such an argument's tensors."""
+    """The pytree context of a custom-parsed argument: its template object and parser; two
+    match when the type and the parser do (PopTorch compared only the tensors)."""
 
     __slots__ = ("cls", "parser", "template")
 
@@ -890,12 +817,11 @@ def _custom_tensors_with_keys(obj) -> tuple:
 
 
 def registerCustomArgParser(arg_data_type: type, arg_parser: Optional[ICustomArgParser]) -> None:
-    """PopTorch's ``registerCustomArgParser``: arguments of type ``arg_data_type`` are
-    flattened into their tensors with ``arg_parser`` and rebuilt for ``forward``.
+    """Arguments of type ``arg_data_type`` are flattened into their tensors with
+    ``arg_parser`` and rebuilt for ``forward``; ``arg_parser=None`` removes the parser.
 
-    A parser already registered for the type is replaced; ``arg_parser=None`` removes it.
-    The arguments are checked before anything changes: a rejected registration registers
-    nothing.
+    Raises ``OptionsError`` (registering nothing) for a non-class, a built-in or tensor type,
+    or a parser that is not an :class:`ICustomArgParser`.
     """
     if not isinstance(arg_data_type, type):
         raise OptionsError(

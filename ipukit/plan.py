@@ -1,20 +1,12 @@
 """Plan a pipelined training run: ``ipukit.plan(model, sample_inputs, ipus=..., ...)``.
 
-The planner searches splits × schedules × micro-batch size (with the gradient
-accumulation that keeps the global batch) × recomputation, models each candidate's
-call with the calibrated costs (:func:`ipukit.calibrate`, :func:`~ipukit.timeline.costs.model_call`)
-and its memory per IPU with the memory model (:mod:`ipukit.viz.memory`: weights,
-gradient accumulators and optimiser state of each stage, plus each stage's stashed
-activations × the micro-batches the schedule keeps in flight), and returns the
-fastest :class:`Plan` that fits the memory budget, with the ranked alternatives and
-the reason each rejected candidate was rejected. Everything it reports is modeled.
-
-Costs at other micro-batch sizes: the model is calibrated at two micro-batch sizes
-(the smallest and the largest candidate) and each block's forward and backward are
-interpolated linearly between them (a fixed part + a part per sample). With one
-:class:`~ipukit.timeline.costs.CostTable` given (``costs=``), block costs are taken
-as proportional to the micro-batch size. Activation bytes are measured at the
-largest candidate and scaled in proportion to the micro-batch size.
+The planner searches splits × schedules × micro-batch size (with the gradient accumulation
+that keeps the global batch) × recomputation, models each candidate's call with calibrated
+costs (:func:`ipukit.calibrate`) and its memory per IPU (:mod:`ipukit.viz.memory`), and
+returns the fastest :class:`Plan` that fits the budget, with the ranked alternatives and
+why each other candidate was rejected. Everything it reports is modeled: block costs are
+interpolated linearly between the two calibrated micro-batch sizes (proportional from one
+table), activation bytes scale with the micro-batch size.
 """
 from __future__ import annotations
 
@@ -28,7 +20,10 @@ import torch
 
 from .balance import as_args, discover_blocks, stage_totals, strategy_for
 from .calibrate import calibrate
+from .model import PoplarExecutor, trainingModel, training_wrapper_set_aside
 from .core.errors import OptionsError, PipelineConfigError
+from .core.blocks import active_recorder
+from .core.options import Options
 from .core.strategies import PipelinedExecution, ShardedExecution, Stage
 from .schedules.build import build
 from .schedules.generators import minimum_micro_batches, placement
@@ -38,21 +33,16 @@ from .timeline.costs import CostTable, even_split, model_call
 from .timeline.simulate import available_cores
 from .viz import memory as memory_model
 
-#: Splits modeled per stage count and micro-batch size when the split is searched: the
-#: best ones by their slowest stage (the exact enumeration is used when it is this small).
+#: Splits modeled per stage count and micro-batch size (the best by their slowest stage).
 SPLITS_KEPT = 8
 MIB = 2 ** 20
 
 
-# -- what the memory model needs, per block ------------------------------------------------
-
 @dataclass
 class BlockMemory:
-    """Bytes per block: what stays (``weights``: parameters + gradient accumulators +
-    optimiser state) and what one micro-batch of ``micro_batch`` samples leaves alive
-    until its backward (``activations``: autograd's saved tensors with the block's
-    inputs and outputs; ``inputs`` / ``outputs``: the block's inputs and outputs alone,
-    what a recomputing stage keeps)."""
+    """Bytes per block: ``weights`` (parameters, gradient accumulators, optimiser state) and
+    what one micro-batch of ``micro_batch`` samples keeps until its backward
+    (``activations``; ``inputs`` / ``outputs`` alone are what a recomputing stage keeps)."""
 
     blocks: List[str]
     weights: List[int]
@@ -69,15 +59,12 @@ class BlockMemory:
                                    outputs=[a * r for a in self.outputs], micro_batch=micro_batch)
 
     def stage_activation(self, first: int, last: int, recompute: bool) -> float:
-        """One micro-batch's held bytes of a stage of blocks ``first..last``: the blocks'
-        sum less the inner hand-overs counted twice; recomputing, its inputs and outputs."""
+        """One micro-batch's held bytes of a stage of blocks ``first..last``."""
         if recompute:
             return self.inputs[first] + self.outputs[last]
         inner = sum(self.outputs[b] for b in range(first, last))
         return max(0.0, sum(self.activations[first:last + 1]) - inner)
 
-
-# -- one plan and the planner's answer ----------------------------------------------------
 
 @dataclass
 class Rejection:
@@ -103,13 +90,11 @@ class Rejection:
 class Plan:
     """A planned run (modeled): where the blocks go, how the step is scheduled and batched.
 
-    ``split`` counts blocks per stage (``layers_per_ipu``'s style); ``stages`` names them;
-    ``stage_ipus`` places them. ``recompute`` lists the stages that recompute their
-    forward in the backward. ``memory_per_ipu`` is the modeled peak in bytes per IPU.
-    ``modeled_only``: this machine has fewer cores (or devices) than ``ipus``, so a run
-    here shares them and will not reach the modeled speed. The best plan returned by
-    :func:`plan` carries ``alternatives`` (every plan that fits, fastest first, itself
-    included) and ``rejected``.
+    ``stages`` names the blocks of each stage, ``stage_ipus`` places them, ``recompute``
+    lists the stages that recompute their forward, ``memory_per_ipu`` is the modeled peak in
+    bytes. ``modeled_only``: this machine has fewer cores (or devices) than ``ipus``. The
+    plan :func:`plan` returns carries ``alternatives`` (every plan that fits, fastest first)
+    and ``rejected``.
     """
 
     blocks: List[str]
@@ -135,8 +120,7 @@ class Plan:
         return [len(s) for s in self.stages]
 
     def layers_per_ipu(self, layers: Sequence[str]) -> List[int]:
-        """The split in ``IPUConfig.layers_per_ipu``'s form: how many of ``layers`` (the
-        blocks an IPUConfig counts, e.g. a ViT's encoder layers) each stage holds."""
+        """How many of ``layers`` (the blocks an IPUConfig counts) each stage holds."""
         chosen = set(layers)
         return [sum(b in chosen for b in stage) for stage in self.stages]
 
@@ -166,27 +150,18 @@ class Plan:
         """The schedule as ``Options.pipelineSchedule`` names it."""
         return title_of(self.schedule)
 
-    # -- running it ------------------------------------------------------------------------
     def strategy(self):
         """The execution strategy placing the plan's stages (``setExecutionStrategy``)."""
+        stages = [Stage(*b).ipu(i) for b, i in zip(self.stages, self.stage_ipus)]
         if self.schedule == "sharded":
-            return ShardedExecution(*[Stage(*b).ipu(i) for b, i in zip(self.stages,
-                                                                        self.stage_ipus)])
+            return ShardedExecution(*stages)
         if len(set(self.stage_ipus)) == len(self.stages):
-            ipu_of = [i for b, i in zip(self.stages, self.stage_ipus) for _ in b]
-            return strategy_for(self.blocks, ipu_of)
-        return PipelinedExecution(*[Stage(*b).ipu(i) for b, i in zip(self.stages,
-                                                                      self.stage_ipus)])
+            return strategy_for(self.blocks, [i for b, i in zip(self.stages, self.stage_ipus)
+                                              for _ in b])
+        return PipelinedExecution(*stages)
 
     def options(self):
-        """``ipukit.Options`` for the plan: device iterations, accumulation, schedule, strategy.
-
-        Batch the data with ``batch_size=plan.micro_batch`` (an ``ipukit.DataLoader``
-        with these options does: ``micro_batch × gradient_accumulation × device_iterations``
-        samples per call).
-        """
-        from .core.options import Options
-
+        """``ipukit.Options`` for the plan (batch the data with ``batch_size=plan.micro_batch``)."""
         opts = Options().deviceIterations(self.device_iterations)
         opts.Training.gradientAccumulation(self.gradient_accumulation)
         opts.setExecutionStrategy(self.strategy())
@@ -197,11 +172,9 @@ class Plan:
     def apply(self, model: Optional[torch.nn.Module] = None):
         """The plan's :meth:`options`; with ``model``, its recomputing stages are marked too.
 
-        A plan that recomputes needs the model: every module of it gets a forward
-        pre-hook that, while ipukit traces the model, marks the stage it runs in for
-        recomputation when that stage is one of the plan's (the runtime then runs the
-        stage under ``torch.utils.checkpoint``). Outside a trace the hooks do nothing;
-        ``model._ipukit_plan_hooks`` holds their handles (``remove()`` each to undo).
+        Each module gets a forward pre-hook that, while ipukit traces, marks the plan's
+        recomputing stages; ``model._ipukit_plan_hooks`` holds the handles. Raises
+        ``OptionsError`` when the plan recomputes and ``model`` is None.
         """
         if self.recompute and model is None:
             raise OptionsError(
@@ -211,14 +184,11 @@ class Plan:
             for handle in getattr(model, "_ipukit_plan_hooks", []):
                 handle.remove()
             targets = {b for s in self.recompute for b in self.stages[s]}
-            hooks = []
-            if targets:
-                hook = _RecomputeMark(targets)
-                hooks = [m.register_forward_pre_hook(hook) for m in model.modules()]
-            model._ipukit_plan_hooks = hooks
+            hook = _RecomputeMark(targets)
+            model._ipukit_plan_hooks = [m.register_forward_pre_hook(hook)
+                                        for m in model.modules()] if targets else []
         return self.options()
 
-    # -- reading it ------------------------------------------------------------------------
     def summary(self) -> str:
         rc = f", recompute stages {self.recompute}" if self.recompute else ""
         return (f"{self.title} on {self.ipus} IPUs, split {self.split} (stage IPUs "
@@ -227,12 +197,11 @@ class Plan:
                 f"; {self.why_accumulation()}")
 
     def why_accumulation(self) -> str:
-        """Why the plan accumulates as many micro-batches as it does: the schedule's own
-        minimum (each schedule has its rule) against the count the global batch gives."""
+        """The schedule's minimum accumulation against what the global batch gives."""
         n, p = len(self.stages), self.ipus
         least = minimum_micro_batches(self.schedule, n, len(set(self.stage_ipus)))
-        rule = {"gpipe": f"2N − 1 = {least} for N = {n} stages (PopART's rule)",
-                "1f1b": f"2N − 1 = {least} for N = {n} stages (PopART's rule)",
+        popart = f"2N − 1 = {least} for N = {n} stages (PopART's rule)"
+        rule = {"gpipe": popart, "1f1b": popart,
                 "dualpipev": f"two per IPU, {least}"}.get(self.schedule, f"one per IPU, {least}")
         if self.schedule == "sharded":
             return (f"accumulation {self.gradient_accumulation}: sharded execution needs no "
@@ -288,22 +257,18 @@ class Plan:
 
 
 class _RecomputeMark:
-    """A forward pre-hook: while ipukit traces, mark the stage being recorded for
-    recomputation when it holds one of ``blocks``."""
+    """A forward pre-hook marking the stage being traced for recomputation if it holds one of
+    ``blocks``."""
 
     def __init__(self, blocks) -> None:
         self.blocks = set(blocks)
 
     def __call__(self, module, args):
-        from .core.blocks import active_recorder
-
         recorder = active_recorder()
         if recorder is not None and recorder.segments \
                 and self.blocks.intersection(recorder.segments[-1].blocks):
             recorder.segments[-1].recompute = True
 
-
-# -- costs at any micro-batch size ---------------------------------------------------------
 
 #: The cost table's fields that hold one cost per block (they scale with the micro-batch).
 PER_BLOCK = ("forward", "backward", "input_grad", "weight_grad")
@@ -315,10 +280,8 @@ def _is_block_list(value, n: int) -> bool:
 
 
 def table_at(tables: Sequence[CostTable], micro_batch: int) -> CostTable:
-    """The cost table at ``micro_batch``: each block's costs linear in the micro-batch size
-    between the two calibrated tables furthest apart (fixed + per sample), or proportional
-    to it from one table; the host's set-up and gathering likewise, the rest as measured
-    at the largest size."""
+    """The cost table at ``micro_batch``: block costs and the host's linear between the two
+    tables furthest apart (proportional from one table), the rest as at the largest size."""
     tables = sorted(tables, key=lambda t: t.micro_batch)
     lo, hi = tables[0], tables[-1]
     n = len(hi.blocks)
@@ -341,8 +304,8 @@ def table_at(tables: Sequence[CostTable], micro_batch: int) -> CostTable:
 
 
 def with_recompute(table: CostTable, blocks: Sequence[str]) -> CostTable:
-    """``table`` with each of ``blocks`` paying its forward again in its backward (in a split
-    backward, in its input-gradient half, which rebuilds the graph)."""
+    """``table`` with each of ``blocks`` paying its forward again in its backward (and in its
+    input-gradient half)."""
     if not blocks:
         return table
     chosen = set(blocks)
@@ -352,8 +315,6 @@ def with_recompute(table: CostTable, blocks: Sequence[str]) -> CostTable:
         changes["input_grad"] = [x + e for x, e in zip(table.input_grad, extra)]
     return dataclasses.replace(table, **changes)
 
-
-# -- measuring the memory model's inputs ---------------------------------------------------
 
 def resized(args: Tuple, micro_batch: int) -> Tuple:
     """``args`` with every batched tensor cut or cycled to ``micro_batch`` rows."""
@@ -369,10 +330,7 @@ def resized(args: Tuple, micro_batch: int) -> Tuple:
 def measure_block_memory(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                          optimizer=None) -> BlockMemory:
     """Bytes per block of ``model`` (one micro-batch = ``sample_inputs``), from a throw-away
-    compile with every block a stage of its own; the user's model is left as it was."""
-    from .core.options import Options
-    from .model import trainingModel, training_wrapper_set_aside
-
+    compile with every block a stage of its own; the model is left as it was."""
     args = as_args(sample_inputs)
     order = list(block_order)
     options = Options()
@@ -380,7 +338,6 @@ def measure_block_memory(model: torch.nn.Module, sample_inputs, block_order: Seq
     params = [p for p in model.parameters() if p.requires_grad]
     sgd = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-    notes = []
     with training_wrapper_set_aside(model), \
             memory_model.unchanged_state([model], weights=True):
         compiled = trainingModel(model, options, sgd)
@@ -397,49 +354,31 @@ def measure_block_memory(model: torch.nn.Module, sample_inputs, block_order: Seq
                     + state
                 for b in st.blocks:
                     weights[b] += total // len(st.blocks)
-            per_stage = getattr(memory_model, "stage_tensor_bytes", None)
             act = {b: 0.0 for b in order}
             ins = {b: 0.0 for b in order}
             outs = {b: 0.0 for b in order}
-            if per_stage is not None:
-                for entry, st in zip(per_stage(compiled), stages):
-                    for b in st.blocks:
-                        act[b] += entry["held_bytes"] / len(st.blocks)
-                        ins[b] += entry["input_bytes"] / len(st.blocks)
-                        outs[b] += entry["output_bytes"] / len(st.blocks)
-            else:   # held bytes only: a recomputing stage is assumed to keep a tenth
-                for held, st in zip(memory_model.activation_bytes(compiled), stages):
-                    for b in st.blocks:
-                        act[b] += held / len(st.blocks)
-                        ins[b] += held / 20 / len(st.blocks)
-                        outs[b] += held / 20 / len(st.blocks)
-                notes.append("block inputs/outputs not measured: recomputation modeled as "
-                             "keeping a tenth of the activations")
+            for entry, st in zip(memory_model.stage_tensor_bytes(compiled), stages):
+                for b in st.blocks:
+                    act[b] += entry["held_bytes"] / len(st.blocks)
+                    ins[b] += entry["input_bytes"] / len(st.blocks)
+                    outs[b] += entry["output_bytes"] / len(st.blocks)
         finally:
             compiled.destroy()
     return BlockMemory(blocks=order, weights=[weights[b] for b in order],
                        activations=[act[b] for b in order], inputs=[ins[b] for b in order],
                        outputs=[outs[b] for b in order],
-                       micro_batch=int(first.shape[0]) if first is not None else 1, notes=notes)
+                       micro_batch=int(first.shape[0]) if first is not None else 1)
 
-
-# -- the search ----------------------------------------------------------------------------
 
 def compositions(num_blocks: int, parts: int) -> List[List[int]]:
     """Every way to cut ``num_blocks`` blocks into ``parts`` non-empty contiguous runs."""
-    out = []
-    for cuts in itertools.combinations(range(1, num_blocks), parts - 1):
-        edges = (0,) + cuts + (num_blocks,)
-        out.append([edges[i + 1] - edges[i] for i in range(parts)])
-    return out
+    return [[b - a for a, b in zip((0,) + cuts, cuts + (num_blocks,))]
+            for cuts in itertools.combinations(range(1, num_blocks), parts - 1)]
 
 
 def stages_of(blocks: Sequence[str], split: Sequence[int]) -> List[List[str]]:
-    out, at = [], 0
-    for n in split:
-        out.append(list(blocks[at:at + n]))
-        at += n
-    return out
+    edges = list(itertools.accumulate(split, initial=0))
+    return [list(blocks[a:b]) for a, b in zip(edges, edges[1:])]
 
 
 def stage_placement(kind: str, num_stages: int, ipus: int) -> List[int]:
@@ -550,10 +489,9 @@ class Planner:
         table = self.table(c.micro_batch)
         stages = stages_of(self.blocks, c.split)
         table = with_recompute(table, [b for s in c.recompute for b in stages[s]])
-        its = min(self.device_iterations, 2)
         ipus = None if c.kind == "sharded" else c.stage_ipus
         one = model_call(table, c.kind, stages, c.ga, iterations=1, stage_ipus=ipus).wall_time
-        if its == 1:
+        if self.device_iterations <= 1:
             return one
         two = model_call(table, c.kind, stages, c.ga, iterations=2, stage_ipus=ipus).wall_time
         return one + (two - one) * (self.device_iterations - 1)
@@ -651,10 +589,7 @@ class Planner:
 
     def _consider(self, c: _Candidate, fits, rejected, over_budget) -> None:
         S = len(c.split)
-        if self.recompute is True:
-            variants = [list(range(S))]
-        else:
-            variants = [[]]
+        variants = [list(range(S))] if self.recompute is True else [[]]
         for rc in variants:
             c = dataclasses.replace(c, recompute=rc)
             c.memory = self.model_memory(c)
@@ -665,8 +600,6 @@ class Planner:
                 for more in (hot, list(range(S))):
                     if more and more not in variants:
                         variants.append(more)
-            c.time_per_call = self.model_time(c) if not over or self.budget is None \
-                else c.time_per_call
             if over:
                 worst = max(over, key=over.get)
                 rejected.append(Rejection(
@@ -676,6 +609,7 @@ class Planner:
                     split=c.split, recompute=rc, over_budget=over))
                 over_budget.append(c)
             else:
+                c.time_per_call = self.model_time(c)
                 fits.append(c)
 
 
@@ -742,7 +676,8 @@ def search(planner: Planner, modeled_only: bool = False, notes: Sequence[str] = 
     if not fits:
         if over:
             # the smallest peak any candidate needs (time it: the error names that plan)
-            best = min(over, key=lambda c: (max(c.memory), _rank_memory_only(c)))
+            best = min(over, key=lambda c: (max(c.memory), c.kind, c.split, c.micro_batch,
+                                            c.recompute))
             best.time_per_call = planner.model_time(best)
             plan = _plan_of(best, planner.blocks, planner, modeled_only, notes)
             budget = planner.budget
@@ -765,12 +700,6 @@ def search(planner: Planner, modeled_only: bool = False, notes: Sequence[str] = 
     best.planning_seconds = time.perf_counter() - started
     return best
 
-
-def _rank_memory_only(c: _Candidate):
-    return (c.kind, c.split, c.micro_batch, c.recompute)
-
-
-# -- the public call -----------------------------------------------------------------------
 
 def plan(model: torch.nn.Module, sample_inputs, ipus: int, global_batch: int,
          memory_budget: Union[None, int, Sequence[int]] = None, *,
@@ -801,8 +730,6 @@ def plan(model: torch.nn.Module, sample_inputs, ipus: int, global_batch: int,
     ``ipukit.Options`` to run it. Raises ``ipukit.OptionsError`` naming the smallest
     budget that fits when none does, ``PipelineConfigError`` for impossible settings.
     """
-    from .model import PoplarExecutor
-
     started = time.perf_counter()
     if isinstance(model, PoplarExecutor):
         model = model.model

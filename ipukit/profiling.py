@@ -1,10 +1,8 @@
 """PopTorch's ``poptorch.profiling``: trace channels for the user's own code.
 
-PopTorch's :class:`Channel` wrote tracepoints to the ``libpvti`` profiling library when it
-was loaded (``PVTI_OPTIONS`` set) and did nothing otherwise. There is no ``libpvti`` off the
-IPU, so here a channel always does nothing: ``tracepoint`` returns an empty context manager
-and ``instrument`` returns the object unchanged, and programs that use them run as they are.
-ipukit's own record of a call is the model's timeline (``model.getTimeline()``).
+PopTorch's :class:`Channel` wrote tracepoints to ``libpvti`` when it was loaded; there is none
+off the IPU, so a channel does nothing and programs that use one run as they are. ipukit's
+record of a call is the model's timeline (``model.getTimeline()``).
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Scale out: the same annotated model and Options as processes, under torchrun.
 
-In PopTorch a *process* (a PopRun instance) was a data-parallel member that
-drove its own replicas; ``popdist`` told it which one it was. In ipukit a process
-is one virtual IPU of one replica: ``replicationFactor(R)`` × the model's
-virtual IPUs processes, launched with ``ipukit-run --nproc N script.py`` (a thin
-wrapper over ``torchrun``). The script is unchanged: options built under the
-launcher read torchrun's ``RANK``/``WORLD_SIZE`` (``Options.Distributed``), and
-a model built with them runs its stages on
-``torch.distributed.pipelining`` (see :mod:`ipukit.distributed.runtime`).
-
-The popdist-style helpers below answer in PopTorch's terms: an *instance* is
-a data-parallel replica (the processes of one pipeline).
+In ipukit a process is one virtual IPU of one replica: ``replicationFactor(R)`` × the model's
+virtual IPUs processes, launched with ``ipukit-run --nproc N script.py``. Options built under
+the launcher read torchrun's ``RANK``/``WORLD_SIZE``, and a model built with them runs its
+stages on ``torch.distributed.pipelining``. The popdist-style helpers answer in PopTorch's
+terms: an *instance* is a data-parallel replica (the processes of one pipeline).
 """
 from __future__ import annotations
 
@@ -18,7 +12,8 @@ import os
 from typing import Any, Optional
 
 from ..core.errors import Error
-from ..runtime.processes.runtime import (NOT_DISTRIBUTED, DistributedError, is_active, maybe_run, synchronize_weights)
+from ..runtime.processes.runtime import (NOT_DISTRIBUTED, DistributedError, is_active,
+                                         maybe_run, synchronize_weights)
 
 __all__ = ["DistributedError", "Options", "getInstanceIndex", "getNumInstances",
            "getNumTotalReplicas", "getNumLocalReplicas", "getProcessIndex", "getNumProcesses",
@@ -94,11 +89,9 @@ def getNumLocalReplicas() -> int:  # noqa: N802
 
 
 def Options(ipus_per_replica: int = 1, **kwargs: Any):  # noqa: N802 - popdist.poptorch.Options
-    """``ipukit.Options`` for this process of a launched run (popdist.poptorch.Options' role).
-
-    Sets ``replicationFactor`` to the run's replicas (processes ÷ ``ipus_per_replica``)
-    and ``Distributed.configureProcessId(rank, world_size)``. Outside a launch it
-    is a plain single-process ``Options()``.
+    """``ipukit.Options`` for this process of a launched run (popdist.poptorch.Options' role):
+    ``replicationFactor`` is processes ÷ ``ipus_per_replica``, and the process id is set.
+    Outside a launch it is a plain ``Options()``.
     """
     from ..core.options import Options as _Options
 
@@ -114,12 +107,8 @@ def Options(ipus_per_replica: int = 1, **kwargs: Any):  # noqa: N802 - popdist.p
 
 
 class DistributedModel:
-    """A training or inference model that runs on processes when launched, threads otherwise.
-
-    Wraps ipukit's model (``trainingModel``/``inferenceModel``); attribute
-    access falls through to it, so ``getTimeline()``, ``destroy()`` and the
-    wrapped module's attributes work as usual.
-    """
+    """A training or inference model that runs on processes when launched, threads otherwise;
+    attribute access falls through to the wrapped ipukit model."""
 
     def __init__(self, executor) -> None:
         object.__setattr__(self, "_executor", executor)

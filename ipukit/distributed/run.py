@@ -3,17 +3,11 @@
     ipukit-run --nproc 4 train.py --epochs 1
     ipukit-run -n 4 -m ipukit.examples.mnist_pipeline
     ipukit-run -n 2 --nnodes 2 --rdzv-endpoint host0:29500 train.py   # on each of 2 machines
-    python -m ipukit.distributed.run --nproc 2 script.py
 
-Runs ``python -m torch.distributed.run --standalone --nproc-per-node N`` (or, with
-``--nnodes``, torchrun's c10d rendezvous at ``--rdzv-endpoint``) with
-``GLOO_SOCKET_IFNAME=lo`` (one machine) and ``OMP_NUM_THREADS=1`` unless already set (several
-processes on a few cores: more threads only oversubscribe). Each model checks,
-when it compiles, that N equals its virtual IPUs × replicationFactor and every
-process stops with an error saying which N it needs. When a process fails, the
-others are stopped (torchrun) and this command ends with one line naming the
-process that failed first and its exception. torchrun's log folders go in a temporary
-folder that is removed when the run ends.
+Runs ``python -m torch.distributed.run`` (standalone, or with ``--nnodes`` torchrun's c10d
+rendezvous) with ``GLOO_SOCKET_IFNAME=lo`` (one machine) and ``OMP_NUM_THREADS=1`` unless
+set. When a process fails, the others are stopped and one line names the process that
+failed first and its exception. torchrun's log folders go in a temporary folder.
 """
 from __future__ import annotations
 
@@ -23,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 from typing import List, Optional
-
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,7 +59,7 @@ _VALUED = {"-n", "--nproc", "--nnodes", "--rdzv-endpoint", "--timeout"}
 
 
 def build_command(argv: List[str]) -> tuple:
-    """(command, environment) for ``argv``; raises SystemExit with a one-line message on bad input."""
+    """(command, environment) for ``argv``; raises SystemExit with a message on bad input."""
     p = _parser()
     argv, module_args = _split_module(argv)
     ns = p.parse_args(argv)
@@ -127,9 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd, env = build_command(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="ipukit-run-") as folder:
         env["IPUKIT_FAILURE_DIR"] = folder
-        # torchrun makes a folder of (empty) per-process log folders for every run, in the
-        # system's temporary directory unless told where, and never removes it: 196 of
-        # them had piled up in /tmp here. Given ours, they go when the run ends.
+        # torchrun never removes its per-process log folders: given ours, they go at the end
         cmd = cmd[:3] + ["--log-dir", os.path.join(folder, "torchrun")] + cmd[3:]
         try:
             code = subprocess.call(cmd, env=env)

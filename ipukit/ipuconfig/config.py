@@ -1,36 +1,12 @@
 """optimum-graphcore's ``IPUConfig`` (``ipu_config.json``), turned into ipukit :class:`~ipukit.Options`.
 
-Hugging Face's optimum-graphcore configured every Graphcore model with an
-``IPUConfig``: a JSON-serialisable object published as ``ipu_config.json`` beside
-each model on the Hub. It turns into PopTorch options (:meth:`IPUConfig.to_options`)
-and places a transformer's layers on IPUs from ``layers_per_ipu``
-(:func:`get_layer_ipu`). This module reimplements its behaviour (optimum-graphcore
-0.7) for ipukit:
-
-* every attribute with optimum's default, type and minimum, checked on every
-  assignment; the cross-checks between attributes at construction (and after
-  ``from_pretrained`` overrides and ``update_from_string``);
-* the inference twins (``inference_layers_per_ipu`` ...) and their fallbacks,
-  and ``train()``/``eval()`` modes that switch the mode-dependent attributes
-  (``_layers_per_ipu``, ``_ipus_per_replica``, ``_matmul_proportion`` ...);
-* ``to_dict``/``to_json_string``/``save_pretrained``/``from_pretrained``/
-  ``from_dict``/``update_from_string``/``batch_size_factor``;
-* :func:`get_layer_ipu`, :func:`split_encoder_decoder_ipu_config` and
-  :func:`recomputation_checkpoint` with optimum's names.
-
-Settings that only mattered to the IPU compiler (available-memory proportion,
-half partials, serialised embeddings and projections, replicated tensor
-sharding, the executable cache, automatic loss scaling, explicit IR) are
-accepted and have no effect: :meth:`IPUConfig.ignored_settings` lists the ones
-a configuration sets, and :meth:`IPUConfig.to_options` records the ones that
-have a PopTorch setter under ``"ignored"`` in ``Options.toDict()``.
-
-Older Hub files (see docs/ipuconfig.md, "Attributes and rules"): ``optimum_version`` and
-``transformers_version`` are metadata and are dropped;
-``enable_half_first_order_momentum`` and ``sharded_execution_for_inference`` are
-deprecated, dropped with a warning (as optimum did); a serialisation factor of
-``0`` (older files' "not serialised") reads as unset, i.e. ``1``, with a warning.
-Any other unknown key is an :class:`IncompatibleIPUConfigError`.
+Hugging Face's optimum-graphcore configured every Graphcore model with an ``IPUConfig``,
+published as ``ipu_config.json`` beside each model on the Hub. This module reimplements its
+behaviour (optimum-graphcore 0.7): every attribute with optimum's default, type and minimum,
+the cross-checks, the inference twins and ``train()``/``eval()`` modes, serialisation, and
+:func:`get_layer_ipu`, :func:`split_encoder_decoder_ipu_config` and
+:func:`recomputation_checkpoint`. IPU compiler settings are accepted and have no effect
+(:meth:`IPUConfig.ignored_settings`); older Hub files are read as docs/ipuconfig.md says.
 """
 from __future__ import annotations
 
@@ -45,11 +21,9 @@ import torch
 from ..core.errors import UnknownOptionError
 from . import io, options
 from .io import IPU_CONFIG_NAME
-# the rules, and names that have always been importable from here
-from .rules import (ATTRIBUTES, DEPRECATED_KEYS, MANAGED, METADATA_KEYS,  # noqa: F401
-                    MODES, OUTPUT_MODES, SPEC, IncompatibleIPUConfigError, IPUConfigError,
-                    IPUConfigTypeError, check_value, cross_check, is_int, mode_name,
-                    parse_updates, read_legacy, unknown_keys_error)
+from .rules import (ATTRIBUTES, MANAGED, MODES, SPEC, IncompatibleIPUConfigError,
+                    IPUConfigError, IPUConfigTypeError, check_value, cross_check,  # noqa: F401
+                    is_int, mode_name, parse_updates, read_legacy, unknown_keys_error)
 
 
 class IPUConfig:
@@ -60,12 +34,10 @@ class IPUConfig:
     >>> get_layer_ipu(config, 8)
     [0, 0, 1, 1, 2, 2, 3, 3]
 
-    Every keyword is an attribute (see docs/ipuconfig.md, "Attributes and rules", for
-    the full list and defaults); an unknown keyword is an :class:`IncompatibleIPUConfigError`.
-    This class holds the attributes, their checks on assignment, the
-    training/inference modes and every public method. Its helpers: the rules in
-    :mod:`.rules`, files and the Hub in :mod:`.io`, the conversion to Options in
-    :mod:`.options` (free functions, given the configuration or plain values).
+    Every keyword is an attribute (docs/ipuconfig.md lists them with their defaults),
+    checked on every assignment; an unknown keyword is an :class:`IncompatibleIPUConfigError`.
+    The rules live in :mod:`.rules`, files and the Hub in :mod:`.io`, the conversion to
+    Options in :mod:`.options`.
     """
 
     CONFIG_NAME = IPU_CONFIG_NAME
@@ -130,7 +102,6 @@ class IPUConfig:
                 setattr(self, name, args[name])
         self._validate_ipu_config()
 
-    # -- attribute validation ---------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
         if name in SPEC:
             check_value(name, value)
@@ -155,7 +126,6 @@ class IPUConfig:
             f"IPUConfig has no attribute {name!r}." + (f" Did you mean {close[0]!r}?" if close
                                                        else " See docs/ipuconfig.md."))
 
-    # -- modes -------------------------------------------------------------------
     @property
     def mode(self) -> str:
         """``"training"`` or ``"inference"``: which twin the ``_attribute`` views read and write."""
@@ -183,7 +153,6 @@ class IPUConfig:
         """The attribute a mode-dependent view refers to in the current mode (optimum's name)."""
         return mode_name(attr, self._mode)
 
-    # -- cross-checks --------------------------------------------------------------
     def _validate_ipu_config(self) -> "IPUConfig":
         """The rules between attributes, in both modes (:func:`.rules.cross_check`; optimum's name)."""
         return cross_check(self)
@@ -193,17 +162,13 @@ class IPUConfig:
         """What loading this configuration dropped or reinterpreted (older Hub files)."""
         return list(self._notes)
 
-    # -- serialisation: dicts, JSON, folders and the Hub (files: .io) -----------------------
     def to_dict(self) -> Dict[str, Any]:
         """Every attribute (not the mode), as a JSON-serialisable dict."""
         return {name: copy.deepcopy(getattr(self, name)) for name in ATTRIBUTES}
 
     def to_json_string(self, use_diff: bool = True) -> str:
-        """The configuration as JSON (sorted keys, 2-space indent, final newline).
-
-        ``use_diff`` is accepted for optimum's signature; every attribute is written
-        either way, as optimum's IPUConfig did.
-        """
+        """The configuration as JSON (sorted keys, 2-space indent); every attribute is written
+        whatever ``use_diff`` says, as optimum's IPUConfig did."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def to_json_file(self, json_file_path: Union[str, os.PathLike], use_diff: bool = True) -> None:
@@ -247,60 +212,47 @@ class IPUConfig:
                         **kwargs: Any):
         """Load an ``ipu_config.json``: a file, a folder holding one, or a Hugging Face Hub id.
 
-        Keyword arguments that name attributes override the loaded values (then the
-        cross-checks run again); ``revision=``, ``cache_dir=``, ``token=`` go to the Hub
-        download; ``return_unused_kwargs=True`` returns ``(config, unused)``. A Hub id
-        (``"Graphcore/vit-base-ipu"``) needs ``huggingface_hub`` (``pip install
-        "ipukit[hub]"``) and a network connection; otherwise download the file and pass
-        its path.
+        Keyword arguments naming attributes override the loaded values; ``revision=``,
+        ``cache_dir=``, ``token=`` go to the Hub download (which needs ``pip install
+        "ipukit[hub]"`` and the network); ``return_unused_kwargs=True`` returns
+        ``(config, unused)``.
         """
         hub_kwargs = io.pop_hub_kwargs(kwargs)
         path = io.resolve(str(pretrained_model_name_or_path), hub_kwargs)
         return cls.from_dict(io.read_json(path), **kwargs)
 
     def update_from_string(self, update_str: str) -> "IPUConfig":
-        """Update attributes from ``"name=value,name=value"``.
-
-        Values are read as the attribute's type: ints, floats, ``true``/``false``
-        (also ``1``/``0``, ``yes``/``no``), strings as they are, lists as
-        ``[a b c]``; ``none`` sets an optional attribute to None. The cross-checks run
-        after all the updates, e.g. ``"layers_per_ipu=[4 4],ipus_per_replica=2"``.
+        """Update attributes from ``"name=value,name=value"`` (lists as ``[a b c]``, booleans
+        as true/false, ``none`` for an optional attribute); the cross-checks run after all of
+        them, e.g. ``"layers_per_ipu=[4 4],ipus_per_replica=2"``.
         """
         for key, value in parse_updates(update_str, self.to_dict()).items():
             setattr(self, key, value)
         self._validate_ipu_config()
         return self
 
-    # -- batching and Options (the conversion: .options) ------------------------------------
     def batch_size_factor(self, for_inference: bool = False) -> int:
-        """Combined batch ÷ micro-batch: replication × gradient accumulation (1 for inference) × device iterations."""
+        """Combined batch ÷ micro-batch: replication × accumulation (training) × device iterations."""
         if for_inference:
             return self.inference_replication_factor * self.inference_device_iterations
         return (self.replication_factor * self.gradient_accumulation_steps
                 * self.device_iterations)
 
     def to_options(self, for_inference: bool = False, compile_only: bool = False):
-        """The :class:`~ipukit.Options` for training (or inference) that this configuration describes.
+        """The :class:`~ipukit.Options` for training (or inference) this configuration describes.
 
-        Honoured: replication, device iterations, gradient accumulation (reduced
-        with Mean), the output mode (``All`` for inference), the seed, optimiser
-        state off chip, and the execution strategy:
-        ``PipelinedExecution(AutoStage.AutoIncrement)`` for training,
-        ``ShardedExecution(AutoStage.AutoIncrement)`` for inference. Blocks give the
-        IPUs (``parallelize``). IPU compiler settings are recorded, no effect.
+        Honoured: replication, device iterations, gradient accumulation (Mean), the output mode
+        (``All`` for inference), the seed, optimiser state off chip, and
+        ``PipelinedExecution(AutoStage.AutoIncrement)`` (``ShardedExecution`` for inference).
+        IPU compiler settings are recorded with no effect.
         """
         return options.to_options(self, for_inference, compile_only)
 
     def ignored_settings(self, for_inference: bool = False) -> Dict[str, Any]:
-        """The IPU-only settings this configuration uses that ipukit accepts and ignores.
-
-        Only values that ask for something (a half-precision partials flag, a
-        serialisation factor above 1, a cache folder, ...) are listed, under their
-        attribute names for the given mode.
-        """
+        """The IPU-only settings this configuration asks for that ipukit accepts and ignores,
+        under their attribute names for the given mode."""
         return options.ignored_settings(self, for_inference)
 
-    # -- the rest of the object protocol ------------------------------------------------
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, IPUConfig) and self.to_dict() == other.to_dict()
 
@@ -314,17 +266,11 @@ class IPUConfig:
         return clone
 
 
-# -- placement helpers (optimum-graphcore's modeling_utils names) ---------------------
 def _expand_layers_per_ipu_wildcard(ipu_config: IPUConfig,
                                     target_number_of_layers: Optional[Union[int, Sequence]] = None
                                     ) -> List[int]:
-    """``layers_per_ipu`` (of the config's current mode) with ``-1`` wildcards resolved.
-
-    ``[-1]`` (or all ``-1``) spreads the layers evenly over ``ipus_per_replica``
-    IPUs, the remainder going to the last IPU; ``-1`` entries mixed with counts
-    share what the counts leave, the remainder on the last wildcard IPU. With one
-    IPU every layer goes on IPU 0.
-    """
+    """``layers_per_ipu`` (current mode) with ``-1`` wildcards sharing what the counts leave
+    evenly, the remainder on the last wildcard IPU."""
     layers = list(ipu_config._layers_per_ipu)
     layers_name = ipu_config._get_managed_attr_mode_name("layers_per_ipu")
     ipus = ipu_config._ipus_per_replica
@@ -340,11 +286,8 @@ def _expand_layers_per_ipu_wildcard(ipu_config: IPUConfig,
                 f"IPUConfig.{layers_name}={layers} places {sum(layers)} layers but the model "
                 f"has {total}. Set {layers_name}=[{total}] or [-1].")
         return [total]
-    if layers in ([-1], [-1] * ipus):
-        quotient, remainder = divmod(total, ipus)
-        layers = [quotient] * ipus
-        layers[-1] += remainder
-        return layers
+    if layers == [-1]:
+        layers = [-1] * ipus
     if len(layers) != ipus:
         raise IncompatibleIPUConfigError(
             f"IPUConfig.{layers_name}={layers} has {len(layers)} entries but {ipus_name}={ipus}. "
@@ -372,10 +315,9 @@ def _expand_layers_per_ipu_wildcard(ipu_config: IPUConfig,
 
 def get_layer_ipu(ipu_config: IPUConfig,
                   layers_or_count: Optional[Union[int, Sequence]] = None) -> List[int]:
-    """The IPU of each layer: ``[0, 0, 0, 1, 1, 1, ...]`` from ``layers_per_ipu``.
+    """The IPU of each layer (``[0, 0, 0, 1, 1, 1, ...]``) from ``layers_per_ipu``.
 
-    ``layers_or_count`` is the number of layers, or the layers themselves (a
-    ``ModuleList``); wildcards are expanded by :func:`_expand_layers_per_ipu_wildcard`.
+    ``layers_or_count`` is the number of layers, or the layers themselves (a ``ModuleList``).
     """
     if not isinstance(ipu_config, IPUConfig):
         raise IPUConfigError(f"get_layer_ipu({ipu_config!r}, ...): expected an ipukit.IPUConfig.")
@@ -387,13 +329,11 @@ def get_layer_ipu(ipu_config: IPUConfig,
 
 def split_encoder_decoder_ipu_config(ipu_config: IPUConfig, num_encoder_layers: int,
                                      num_decoder_layers: int) -> Tuple[IPUConfig, IPUConfig]:
-    """Split an encoder-decoder model's configuration into ``(encoder, decoder)`` configurations.
+    """Split an encoder-decoder model's configuration into ``(encoder, decoder)`` ones.
 
-    The expanded ``layers_per_ipu`` is cut where the encoder's layers end; the
-    encoder's part must span a power-of-two number of IPUs (the largest such cut
-    is taken). Per-IPU lists (``matmul_proportion``, serialised splits) are cut
-    the same way; serialised embedding splits must all be on the encoder,
-    serialised projection splits all on the decoder.
+    ``layers_per_ipu`` is cut where the encoder's layers end, on a power-of-two number of
+    IPUs; per-IPU lists are cut the same way (serialised embedding splits must all be on the
+    encoder, projection splits on the decoder). Raises ``IncompatibleIPUConfigError``.
     """
     ipus_name = ipu_config._get_managed_attr_mode_name("ipus_per_replica")
     layers_name = ipu_config._get_managed_attr_mode_name("layers_per_ipu")
@@ -438,11 +378,8 @@ def split_encoder_decoder_ipu_config(ipu_config: IPUConfig, num_encoder_layers: 
 
 
 class _Recompute:
-    """``module.forward`` replaced: runs the class's forward under ``torch.utils.checkpoint``.
-
-    Kept as an object (not a closure) so that ``copy.deepcopy`` and ``torch.save`` of
-    the module carry it over to the copy.
-    """
+    """``module.forward`` replaced: the class's forward under ``torch.utils.checkpoint`` (an
+    object, not a closure, so that copies and ``torch.save`` of the module keep it)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -472,15 +409,10 @@ class RecomputationHandle:
 def recomputation_checkpoint(module: torch.nn.Module) -> RecomputationHandle:
     """Keep only ``module``'s output for the backward pass and recompute its inside.
 
-    optimum-graphcore marked each layer's output as a recomputation checkpoint
-    (``poptorch.recomputationCheckpoint``). Here the module's forward runs under
-    ``torch.utils.checkpoint`` (non-reentrant) whenever gradients are recorded:
-    the activations inside the module are freed after the forward pass and
-    recomputed during the backward pass. This happens per module where it runs
-    eagerly (plain PyTorch, single-stage ipukit models); in a model traced into
-    several stages, the whole stage holding the module recomputes (a traced
-    stage is one graph; see docs/ipuconfig.md). Returns a handle whose ``remove()``
-    undoes it.
+    The module's forward runs under ``torch.utils.checkpoint`` (non-reentrant) whenever
+    gradients are recorded; in a model traced into several stages, the whole stage holding
+    the module recomputes (see docs/ipuconfig.md). Returns a handle whose ``remove()`` undoes
+    it.
     """
     if not isinstance(module, torch.nn.Module):
         raise IPUConfigError(f"recomputation_checkpoint({module!r}): expected a torch.nn.Module.")

@@ -1,11 +1,5 @@
-"""``ipu_config.json`` on disk and on the Hugging Face Hub: finding, reading and writing it.
-
-Free functions that :class:`~ipukit.IPUConfig`'s ``from_pretrained``,
-``from_json_file``, ``to_json_file`` and ``save_pretrained`` call. They deal in
-paths, text and dicts only; turning a dict into a configuration (and checking it)
-is ``IPUConfig.from_dict``'s job. ``huggingface_hub`` (the ``ipukit[hub]`` extra)
-is imported only when a Hub id has to be fetched.
-"""
+"""``ipu_config.json`` on disk and on the Hugging Face Hub (paths, text and dicts only);
+``huggingface_hub`` (the ``ipukit[hub]`` extra) is imported only to fetch a Hub id."""
 from __future__ import annotations
 
 import json

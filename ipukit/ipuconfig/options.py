@@ -1,13 +1,6 @@
-"""An ``IPUConfig`` turned into ipukit :class:`~ipukit.Options`.
-
-Free functions behind :meth:`IPUConfig.to_options <ipukit.IPUConfig.to_options>`
-(what ipukit honours) and :meth:`IPUConfig.ignored_settings
-<ipukit.IPUConfig.ignored_settings>` (the IPU compiler settings it accepts and
-ignores). Both read the configuration's public attributes, taking the
-mode-dependent ones (``matmul_proportion`` ...) from the twin of the mode asked
-for (:func:`~ipukit.ipuconfig.rules.mode_name`); the configuration's own mode is
-left alone.
-"""
+"""An ``IPUConfig`` turned into ipukit :class:`~ipukit.Options` (what is honoured) and the
+IPU compiler settings it accepts and ignores, for the mode asked for (the config's own mode
+is left alone)."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -25,10 +18,7 @@ _OUTPUT_MODES = {"all": OutputMode.All, "sum": OutputMode.Sum, "final": OutputMo
 
 
 def to_options(config, for_inference: bool = False, compile_only: bool = False) -> Options:
-    """The :class:`~ipukit.Options` for training (or inference) that ``config`` describes.
-
-    See :meth:`ipukit.IPUConfig.to_options`.
-    """
+    """See :meth:`ipukit.IPUConfig.to_options`."""
     if config.execute_encoder_on_cpu_for_generation:
         raise UnsupportedError(
             "IPUConfig.execute_encoder_on_cpu_for_generation=True is not supported "
@@ -72,10 +62,7 @@ def to_options(config, for_inference: bool = False, compile_only: bool = False) 
 
 
 def ignored_settings(config, for_inference: bool = False) -> Dict[str, Any]:
-    """The IPU-only settings ``config`` uses that ipukit accepts and ignores.
-
-    See :meth:`ipukit.IPUConfig.ignored_settings`.
-    """
+    """See :meth:`ipukit.IPUConfig.ignored_settings`."""
     mode = "inference" if for_inference else "training"
     found: Dict[str, Any] = {}
     name = mode_name("matmul_proportion", mode)

@@ -1,18 +1,7 @@
-"""What an ``IPUConfig`` may hold: optimum-graphcore's attribute table and its rules.
-
-:mod:`ipukit.ipuconfig.config` holds the object; this module holds the data it is
-checked against, so the rules read as one list. Everything here works on plain
-values or on a configuration's public attributes:
-
-* ``SPEC``: every attribute's kind, default and minimum;
-* :func:`check_value`: the per-attribute rules, run on every assignment;
-* :func:`mode_name`: which twin (``layers_per_ipu`` or ``inference_layers_per_ipu``
-  ...) a mode-dependent attribute means in a mode;
-* :func:`cross_check`: the rules between attributes (optimum's
-  ``_validate_ipu_config``), run at construction and after overrides;
-* :func:`read_legacy`: what older Hub files meant;
-* :func:`parse_updates`: ``update_from_string``'s text, read as the attributes' kinds;
-* the error classes (re-exported by :mod:`ipukit.ipuconfig`).
+"""What an ``IPUConfig`` may hold: optimum-graphcore's attribute table (``SPEC``) and its
+rules, on plain values or a configuration's public attributes: per attribute
+(:func:`check_value`), between attributes (:func:`cross_check`), older Hub files
+(:func:`read_legacy`) and ``update_from_string``'s text (:func:`parse_updates`).
 """
 from __future__ import annotations
 
@@ -106,25 +95,19 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+_KIND_CHECKS = {
+    "int": is_int,
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "ints": lambda v: isinstance(v, list) and all(is_int(x) for x in v),
+    "prop": lambda v: _is_number(v) or (isinstance(v, list) and len(v) > 0
+                                        and all(_is_number(x) for x in v)),
+    "dict": lambda v: isinstance(v, dict),
+}
+
+
 def _type_ok(kind: str, value: Any) -> bool:
-    if kind.endswith("?"):
-        if value is None:
-            return True
-        kind = kind[:-1]
-    if kind == "int":
-        return is_int(value)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "ints":
-        return isinstance(value, list) and all(is_int(v) for v in value)
-    if kind == "prop":
-        return _is_number(value) or (isinstance(value, list) and len(value) > 0
-                                     and all(_is_number(v) for v in value))
-    if kind == "dict":
-        return isinstance(value, dict)
-    raise AssertionError(kind)
+    return (kind.endswith("?") and value is None) or _KIND_CHECKS[kind.rstrip("?")](value)
 
 
 def check_value(name: str, value: Any) -> None:
@@ -178,9 +161,8 @@ def mode_name(attr: str, mode: str) -> str:
 def read_legacy(args: Dict[str, Any], kwargs: Dict[str, Any], notes: List[str]) -> None:
     """Older Hub files: drop metadata and deprecated keys; a factor of 0 means unset.
 
-    Edits the constructor's ``args``/``kwargs`` in place and appends what it changed
-    to ``notes`` (``IPUConfig.legacy_notes``). Called straight from ``IPUConfig.__init__``:
-    the warnings' ``stacklevel`` counts on that depth.
+    Edits the constructor's ``args``/``kwargs`` in place, noting each change in ``notes``
+    (the warnings' ``stacklevel`` counts on being called from ``IPUConfig.__init__``).
     """
     for key in METADATA_KEYS:
         if key in kwargs:
@@ -200,13 +182,8 @@ def read_legacy(args: Dict[str, Any], kwargs: Dict[str, Any], notes: List[str]) 
 
 
 def cross_check(config):
-    """The rules between attributes, in both modes (optimum's ``_validate_ipu_config``).
-
-    ``config`` is read and written through its public attributes (an unset
-    serialisation factor becomes 1). Run at construction and after overrides
-    (``from_dict``, ``update_from_string``); per-attribute rules
-    (:func:`check_value`) run on every assignment instead. Returns ``config``.
-    """
+    """The rules between attributes, in both modes (optimum's ``_validate_ipu_config``); an
+    unset serialisation factor becomes 1. Returns ``config``."""
     if config.replicated_tensor_sharding and config.replication_factor == 1:
         _log.warning("IPUConfig: replicated_tensor_sharding is not used when "
                      "replication_factor=1")
@@ -246,10 +223,8 @@ def cross_check(config):
 
 
 def parse_updates(update_str: str, current: Dict[str, Any]) -> Dict[str, Any]:
-    """``update_from_string``'s ``"name=value,name=value"``, each value read as its attribute's kind.
-
-    ``current`` holds the attributes' present values (quoted when one cannot be read).
-    """
+    """``update_from_string``'s ``"name=value,..."``, each value read as its attribute's kind
+    (``current``: the present values, quoted when one cannot be read)."""
     if not isinstance(update_str, str):
         raise IPUConfigError(f"IPUConfig.update_from_string({update_str!r}): expected a string "
                              "such as 'device_iterations=4,layers_per_ipu=[2 2]'.")

@@ -1,10 +1,5 @@
-"""What ipukit's Lightning modules share: the error, the clipping message, stage keys,
-tensor mapping.
-
-Imported first by :mod:`ipukit.lightning.strategy` and its collaborators
-(:mod:`ipukit.lightning.setup`, :mod:`ipukit.lightning.steps`), so a missing
-pytorch-lightning is reported here, once, with the install command.
-"""
+"""What ipukit's Lightning modules share; imported first, so a missing pytorch-lightning is
+reported here, once, with the install command."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,6 +10,7 @@ from ..core.errors import Error
 
 try:
     import pytorch_lightning  # noqa: F401
+    from lightning_utilities.core.apply_func import apply_to_collection
     from pytorch_lightning.trainer.states import RunningStage
     from pytorch_lightning.utilities.exceptions import MisconfigurationException
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -26,10 +22,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 class LightningError(Error, ValueError, MisconfigurationException):
     """A Lightning setting or LightningModule feature that ipukit's IPU strategy cannot run.
 
-    Also Lightning's ``MisconfigurationException`` (lightning_fabric's, which
-    ``pytorch_lightning.utilities.exceptions`` re-exports), which lightning-graphcore raised
-    for these, and a ``ValueError``, which it raised for an unsupported precision; so
-    ``except MisconfigurationException`` in ported code keeps working.
+    Also Lightning's ``MisconfigurationException`` and a ``ValueError``, which
+    lightning-graphcore raised for these, so ported ``except`` clauses keep working.
     """
 
 
@@ -43,16 +37,8 @@ CLIPPING_MESSAGE = (
 
 
 def map_tensors(data: Any, fn) -> Any:
-    """``data`` with ``fn`` applied to every tensor in it (tuples, namedtuples, lists, dicts)."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*[map_tensors(v, fn) for v in data])
-    if isinstance(data, (list, tuple)):
-        return type(data)(map_tensors(v, fn) for v in data)
-    if isinstance(data, dict):
-        return type(data)((k, map_tensors(v, fn)) for k, v in data.items())
-    return data
+    """``data`` with ``fn`` applied to every tensor in it (Lightning's collection rules)."""
+    return apply_to_collection(data, torch.Tensor, fn)
 
 
 # a run's stage key ("train", "validate", "test", "predict") by Lightning's RunningStage

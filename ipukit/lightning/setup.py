@@ -1,19 +1,15 @@
 """``IPUStrategy``'s setup: the Trainer's settings turned into ipukit Options and loaders.
 
-:class:`TrainerSetup` is a collaborator that :class:`~ipukit.lightning.IPUStrategy`
-creates and delegates to. At ``setup`` it refuses what
-ipukit cannot run (manual optimisation, gradient clipping between backward and
-step, accumulation schedules, batch-transfer hooks, several optimisers), builds
-one :class:`~ipukit.Options` per kind of run from ``devices``,
-``accumulate_grad_batches`` and ``device_iterations`` (or checks the user's own
-against them), and turns each ``DataLoader`` into an :class:`ipukit.DataLoader`
-whose batch is one whole ipukit call.
+:class:`TrainerSetup` refuses what ipukit cannot run (manual optimisation, gradient clipping,
+accumulation schedules, batch-transfer hooks, several optimisers), builds one
+:class:`~ipukit.Options` per kind of run from ``devices``, ``accumulate_grad_batches`` and
+``device_iterations`` (or checks the user's own against them), and turns each ``DataLoader``
+into an :class:`ipukit.DataLoader` whose batch is one whole ipukit call.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
@@ -30,20 +26,9 @@ if TYPE_CHECKING:
 
     from .strategy import IPUStrategy
 
-_ONE_OPTIMIZER = (
-    "IPUs currently only support one optimizer. configure_optimizers() returned {count}; an "
-    "ipukit training model steps one optimiser inside each call. Return one optimizer "
-    "(parameter groups give parts of the model their own settings).")
-
-
 class TrainerSetup:
-    """Setup, options and data loaders of an ``IPUStrategy`` (its ``_setup``).
-
-    Args:
-        strategy: the strategy it serves (read for ``device_iterations``,
-            ``device_count``, ``devices_auto`` and ``lightning_module``).
-        training_opts, inference_opts: the user's ``ipukit.Options``, or None.
-    """
+    """Setup, options and data loaders of an ``IPUStrategy``, from the user's
+    ``training_opts``/``inference_opts`` (or None)."""
 
     def __init__(self, strategy: "IPUStrategy", training_opts: Optional[Options] = None,
                  inference_opts: Optional[Options] = None) -> None:
@@ -78,21 +63,6 @@ class TrainerSetup:
             trainer.accumulate_grad_batches = accumulation
         self._saved_accumulation = None
 
-    @contextlib.contextmanager
-    def one_optimizer(self) -> Iterator[None]:
-        """Around Lightning's ``setup_optimizers``: its refusal of several optimizers, explained."""
-        try:
-            yield
-        except RuntimeError as exc:  # Lightning's own refusal of several optimizers
-            if "multiple optimizers" not in str(exc):
-                raise
-            raise LightningError(_ONE_OPTIMIZER.format(count="more than one optimizer")) from None
-
-    def check_optimizers(self, optimizers) -> None:
-        """After ``setup_optimizers``: an ipukit training model steps one optimiser."""
-        if len(optimizers) > 1:
-            raise LightningError(_ONE_OPTIMIZER.format(count=f"{len(optimizers)} optimizers"))
-
     def _check_setup(self, trainer, module) -> None:
         datamodule = getattr(trainer, "datamodule", None)
         for hook in ("transfer_batch_to_device", "on_after_batch_transfer"):
@@ -121,12 +91,9 @@ class TrainerSetup:
                 "fixed Trainer(accumulate_grad_batches=N).")
 
     def planned_replication_factor(self) -> int:
-        """Replicas the options built at setup will have (lightning-graphcore's rule).
-
-        The user's options' ``replicationFactor`` when given (training options first), else
-        ``devices``. With ``devices`` given explicitly (not ``"auto"``) and options left at
-        one replica, ``devices`` fills it in, as :meth:`prepare` will.
-        """
+        """Replicas the options built at setup will have (lightning-graphcore's rule): the
+        user's options' ``replicationFactor`` (training first), else ``devices``; an explicit
+        ``devices`` also fills in options left at one replica."""
         devices = self._strategy.device_count
         user = next((o for o in (self.user_training_opts, self.user_inference_opts)
                      if o is not None), None)
@@ -173,17 +140,6 @@ class TrainerSetup:
             opts.modelName({"train": "training", "validate": "validation"}.get(stage, stage))
         return opts
 
-    @property
-    def training_opts(self) -> Options:
-        """The options of the training model (built at setup)."""
-        return self.opts.get("train") or self.user_training_opts
-
-    @property
-    def inference_opts(self) -> Options:
-        """The options of the validation model (built at setup)."""
-        return self.opts.get("validate") or self.user_inference_opts
-
-    # -- data --------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
         """Each loader becomes an ``ipukit.DataLoader``: a batch is one whole ipukit call."""
         if isinstance(dataloader, _IpuDataLoader):

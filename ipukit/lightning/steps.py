@@ -1,13 +1,9 @@
 """``IPUStrategy``'s bridge from Lightning's ``*_step`` calls to ipukit models.
 
-A LightningModule's ``training_step`` (and validation, test, predict steps) becomes
-the forward of a :class:`_StepModule`, wrapped once per kind of run and dataloader
-in an ipukit ``trainingModel`` or ``inferenceModel``; the first batch compiles it.
-:class:`StepBridge` (a collaborator that :class:`~ipukit.lightning.IPUStrategy`
-creates and delegates to) builds the models at setup (the strategy's
-``poptorch_models``), runs them, casts inputs, and reports ``self.log`` calls a traced
-step cannot make. One Lightning training step is one call (whatever its device
-iterations), so Lightning's own step counting needs no help.
+Each ``*_step`` becomes the forward of a :class:`_StepModule`, wrapped once per kind of run
+and dataloader in an ipukit ``trainingModel`` or ``inferenceModel`` (compiled by its first
+batch). :class:`StepBridge` builds, runs and casts for them, and reports ``self.log`` calls a
+traced step cannot make. One Lightning training step is one call.
 """
 from __future__ import annotations
 
@@ -32,19 +28,14 @@ if TYPE_CHECKING:
 
 
 def _state_to_parameter_devices(optimizer) -> None:
-    """Optimiser state next to its parameter, wherever ipukit placed the stage.
-
-    Lightning restores a checkpoint's optimiser state onto the strategy's root device (the
-    host); ipukit then moves each stage's weights to its virtual IPU's device. Scalars
-    (Adam's ``step``) stay where torch.optim wants them.
-    """
+    """Optimiser state next to its parameter (Lightning restores it on the host); scalars
+    (Adam's ``step``) stay where torch.optim wants them."""
     for p, state in optimizer.state.items():
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0 and value.device != p.device:
                 state[key] = value.to(p.device)
 
 
-# --------------------------------------------------------------------------- step module
 _STEP_OF = {RunningStage.TRAINING: "training_step", RunningStage.SANITY_CHECKING: "validation_step",
             RunningStage.VALIDATING: "validation_step", RunningStage.TESTING: "test_step",
             RunningStage.PREDICTING: "predict_step"}
@@ -59,9 +50,8 @@ _log_lock = threading.RLock()
 class _StepModule(torch.nn.Module):
     """The module ipukit wraps: its forward is one of the LightningModule's ``*_step`` methods.
 
-    Python arguments of the step (``batch_idx``, ``dataloader_idx``) are held as attributes,
-    so only the batch is an input: as in PopTorch, a traced (multi-stage) step sees their
-    values of its first call; a single-stage step runs eagerly and sees the current ones.
+    The step's other arguments (``batch_idx``, ``dataloader_idx``) are attributes, so only the
+    batch is an input (a traced step sees their values of its first call).
     """
 
     def __init__(self, module: "pl.LightningModule", step: str) -> None:
@@ -73,7 +63,8 @@ class _StepModule(torch.nn.Module):
     def forward(self, batch):
         rec = active_recorder()
         if rec is not None:
-            _keep_last_block_open(rec)
+            # the loss, computed after forward's blocks closed, stays on the last block's IPU
+            rec.keep_last_block_open = True
         out = getattr(self.module, self.step)(batch, *self.extra_args)
         if self.step != "training_step":
             return out
@@ -89,26 +80,9 @@ class _StepModule(torch.nn.Module):
             "not possible inside a compiled step.")
 
 
-def _keep_last_block_open(rec) -> None:
-    """Operations after the last ``with Block`` closed stay on that block's IPU.
-
-    Lightning computes the loss in ``training_step`` after ``forward`` (whose blocks have
-    closed), and the Lightning IPU docs' Blocks-in-``forward`` pattern relies on those
-    operations running on the IPU of the block before them; ipukit's core refuses
-    operations outside any block once a block closed, unless the recorder is told so.
-    """
-    rec.keep_last_block_open = True
-
-
 class StepBridge:
-    """The step runs of an ``IPUStrategy`` (its ``_steps``): one ipukit model per step kind
-    and dataloader, sharing the LightningModule's weights.
-
-    Args:
-        strategy: the strategy it serves (read for ``lightning_module``, ``optimizers``).
-        setup: the strategy's :class:`~ipukit.lightning.setup.TrainerSetup`, whose
-            ``opts`` (built at setup) configure the models.
-    """
+    """The step runs of an ``IPUStrategy``: one ipukit model per step kind and dataloader,
+    sharing the LightningModule's weights, configured by ``setup.opts``."""
 
     def __init__(self, strategy: "IPUStrategy", setup: "TrainerSetup") -> None:
         self._strategy = strategy
@@ -119,21 +93,14 @@ class StepBridge:
         self.last: Dict[str, Any] = {}       # stage key -> its latest ipukit model (kept after teardown)
         self._log_originals: Optional[Dict[str, Any]] = None
 
-    # -- lifetime --------------------------------------------------------------------
     def start(self) -> None:
         """At setup, before Lightning's: no models yet."""
         self.models = {}
         self.poptorch_models = {}
 
-    def build(self, fitting: bool, stages: Iterable[RunningStage]) -> None:
-        """At setup, after Lightning's (the optimizer exists): the models of ``stages``.
-
-        They wrap the module without compiling (each compiles at its first batch), as
-        lightning-graphcore built its ``poptorch_models`` at setup.
-        """
+    def build(self, stages: Iterable[RunningStage]) -> None:
+        """At setup, after Lightning's: the (uncompiled) models of ``stages``."""
         for stage in stages:
-            if stage == RunningStage.TRAINING and not fitting:
-                continue
             self._wrapped(stage, 0)
 
     def release(self) -> None:
@@ -143,11 +110,6 @@ class StepBridge:
                 model.destroy()
         self.models = {}
 
-    def latest(self, stage_key: str):
-        """The ipukit model of the latest run of ``stage_key`` (None before any)."""
-        return self.last.get(stage_key)
-
-    # -- logging ---------------------------------------------------------------------
     def guard_logging(self, module: "pl.LightningModule") -> None:
         """Wrap ``module.log``/``log_dict``: a no-op while ipukit traces the step (calls are
         noted, see :meth:`_compile`); otherwise one thread at a time (replicas)."""
@@ -181,7 +143,6 @@ class StepBridge:
                 setattr(module, name, original)
         self._log_originals = None
 
-    # -- steps -----------------------------------------------------------------------
     def _wrapped(self, stage: RunningStage, dataloader_idx: int):
         """The ipukit model of ``stage``'s step for one dataloader, made at its first use."""
         step = _STEP_OF[stage]
@@ -200,11 +161,6 @@ class StepBridge:
             self.poptorch_models.setdefault(stage, model)
         return model
 
-    def _model_for(self, stage: RunningStage, dataloader_idx: int):
-        model = self._wrapped(stage, dataloader_idx)
-        self.last[STAGE_KEY[stage]] = model
-        return model
-
     def run(self, stage: RunningStage, args, kwargs) -> Any:
         """One Lightning ``*_step`` call: one call of that step's ipukit model."""
         if not args:
@@ -212,7 +168,7 @@ class StepBridge:
                                  "of the step.")
         batch, extra = args[0], tuple(args[1:]) + tuple(kwargs.values())
         dataloader_idx = extra[1] if len(extra) > 1 and isinstance(extra[1], int) else 0
-        model = self._model_for(stage, dataloader_idx)
+        model = self.last[STAGE_KEY[stage]] = self._wrapped(stage, dataloader_idx)
         model.model.extra_args = extra
         batch = self._cast_inputs(batch)
         if not model.isCompiled():
@@ -232,8 +188,7 @@ class StepBridge:
 
     def _compile(self, model, batch) -> None:
         module = self._strategy.lightning_module
-        # A model compiled earlier (training, say) may have put the shared weights on a GPU;
-        # ipukit traces on the sample it is given, so give it one on the weights' device.
+        # an earlier model may have put the shared weights on a GPU: trace on their device
         device = next((p.device for p in module.parameters()), None)
         if device is not None and device.type != "cpu":
             batch = map_tensors(batch, lambda t: t.to(device))

@@ -1,33 +1,11 @@
-"""PyTorch Lightning's IPU front door, on ipukit: ``IPUAccelerator``, ``IPUStrategy``, ``IPUPrecision``.
+"""PyTorch Lightning's IPU front door on ipukit: ``IPUAccelerator``, ``IPUStrategy``, ``IPUPrecision``.
 
-Lightning code written for Graphcore IPUs (``Trainer(accelerator="ipu", devices=8,
-strategy=IPUStrategy(device_iterations=32))``) runs here with one changed import::
-
-    from ipukit.lightning import IPUStrategy       # was: from lightning_graphcore import IPUStrategy
-    import ipukit as poptorch                      # was: import poptorch
-
-Importing this module registers the accelerator ``"ipu"`` and the strategy
-``"ipu_strategy"`` with pytorch-lightning (pinned to 2.6.6, the ``ipukit[lightning]``
-extra), and makes ``Trainer(accelerator="ipu")`` pick :class:`IPUStrategy` when no
-strategy is given.
-
-How a Lightning run maps onto ipukit:
-
-* every Lightning batch is one ipukit call: the strategy turns each dataloader into an
-  :class:`ipukit.DataLoader`, whose batches hold micro-batch × device iterations ×
-  gradient accumulation × replicas samples (a user's own ``ipukit.DataLoader`` is kept);
-* ``training_step`` runs inside ``ipukit.trainingModel`` (one per fit), the other steps
-  inside ``ipukit.inferenceModel`` s; all share the LightningModule's weights, so
-  validation during fit sees every optimiser step;
-* ``devices`` is the replication factor, ``accumulate_grad_batches`` the gradient
-  accumulation; ``Block``/``BeginBlock`` annotations split the model into pipeline stages
-  as in any ipukit model;
-* one Lightning training step is one ipukit call, as in lightning-graphcore: ``global_step``,
-  ``max_steps`` and ``interval="step"`` schedulers count calls; a call with
-  ``device_iterations=N`` makes N optimiser steps (all at the learning rate the optimiser had
-  when the call began, as PopTorch's did);
-* ``devices="auto"`` is 4 replicas (``IPUAccelerator.auto_device_count()``, as
-  lightning-graphcore), or the user's options' ``replicationFactor`` when options are given.
+Lightning code written for Graphcore IPUs runs with one changed import
+(``from ipukit.lightning import IPUStrategy``). Importing this module registers the
+accelerator ``"ipu"`` and the strategy ``"ipu_strategy"`` with pytorch-lightning (the
+``ipukit[lightning]`` extra), and ``Trainer(accelerator="ipu")`` picks :class:`IPUStrategy`
+when no strategy is given. Every Lightning batch is one ipukit call; docs/lightning.md maps
+each Lightning setting to ipukit.
 """
 from __future__ import annotations
 
@@ -41,7 +19,6 @@ from .setup import TrainerSetup
 from .steps import StepBridge
 from ..core.options import Options
 
-# after .base, which reports a missing pytorch-lightning with the install command
 from pytorch_lightning.accelerators import Accelerator, AcceleratorRegistry
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
@@ -53,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["IPUAccelerator", "IPUStrategy", "IPUPrecision", "LightningError"]
 
 
-# --------------------------------------------------------------------------- accelerator
 _AUTO_DEVICE_COUNT = 4   # lightning-graphcore's: "the minimal unit they are shipped in"
 
 
@@ -66,12 +42,10 @@ class _AutoDevices(list):
 
 
 class IPUAccelerator(Accelerator):
-    """Lightning's ``"ipu"`` accelerator: ipukit's virtual IPUs (worker threads).
+    """Lightning's ``"ipu"`` accelerator: ipukit's virtual IPUs.
 
     ``devices`` is the number of replicas (``Options.replicationFactor``); ``"auto"`` (and -1)
-    is :meth:`auto_device_count`, 4 as in lightning-graphcore, unless the strategy's options
-    set the replication factor. The torch device of each virtual IPU follows ipukit (CUDA
-    when present, else CPU, or ``Options.deviceMapping``).
+    is 4, as in lightning-graphcore, unless the strategy's options set the replication factor.
     """
 
     #: marks ipukit's IPU accelerator classes (kept by reloads of this module)
@@ -128,7 +102,6 @@ class IPUAccelerator(Accelerator):
                                       override=True)
 
 
-# --------------------------------------------------------------------------- precision
 _PRECISIONS = ("32-true", "16-mixed", "16-true")
 _PRECISION_ALIASES = {"32": "32-true", "32-true": "32-true", "16": "16-mixed",
                       "16-mixed": "16-mixed", "16-true": "16-true"}
@@ -147,17 +120,10 @@ def _unified_precision(precision) -> str:
 class IPUPrecision(Precision):
     """Precision plugin of the IPU strategy: ipukit runs the backward pass and the step.
 
-    * ``"32-true"``: nothing changes.
-    * ``"16-true"``: the LightningModule is converted to half precision; ipukit accumulates its
-      gradients and updates its weights in float32 (PopTorch's optimisers), then rounds back.
-    * ``"16-mixed"`` (``precision=16``): as Lightning's IPU plugin did, float inputs are cast to
-      half precision (``strategy.batch_to_device``: float32 and float64 become float16, other
-      dtypes stay); the model keeps its dtype and, as PopTorch 3's default
-      (``HalfFloatCastingBehavior.HalfUpcastToFloat``), computes a float32 model on those
-      half-rounded inputs. Call ``model.half()`` yourself for half-precision compute.
-
-    Float inputs are always cast to the model's floating dtype before a step (PopTorch cast
-    float inputs for half models), so a ``.half()`` model takes float32 batches.
+    ``"32-true"`` changes nothing; ``"16-true"`` converts the module to half (ipukit updates
+    the weights in float32); ``"16-mixed"`` (``precision=16``) casts float inputs to half, as
+    Lightning's IPU plugin did, and the model keeps its dtype. Float inputs are always cast to
+    the model's floating dtype before a step, so a ``.half()`` model takes float32 batches.
     """
 
     def __init__(self, precision: Union[str, int] = "32-true") -> None:
@@ -192,7 +158,6 @@ class IPUPrecision(Precision):
         raise LightningError(CLIPPING_MESSAGE.format(value=clip_val))
 
 
-# --------------------------------------------------------------------------- strategy
 # a run's stage key, by the names users write
 _STAGE_NAMES = {"train": "train", "training": "train", "fit": "train",
                 "validate": "validate", "validation": "validate", "val": "validate",
@@ -214,14 +179,9 @@ class IPUStrategy(ParallelStrategy):
         inference_opts: ``ipukit.Options`` for validation, test and predict models.
 
     The measured timeline of each kind of run is ``trainer.strategy.timeline("train")``
-    (or ``"validate"``, ``"test"``, ``"predict"``).
-
-    This class holds Lightning's plumbing (devices, precision plugin, collectives of a
-    single process), every Lightning hook, the timelines and reports; its hooks delegate
-    to two collaborators it creates: ``_setup``, a
-    :class:`~ipukit.lightning.setup.TrainerSetup` (checks, options, data loaders), and
-    ``_steps``, a :class:`~ipukit.lightning.steps.StepBridge` (the ipukit models that run
-    the ``*_step`` methods).
+    (or ``"validate"``, ``"test"``, ``"predict"``). The hooks delegate to ``_setup`` (a
+    :class:`~ipukit.lightning.setup.TrainerSetup`: checks, options, data loaders) and
+    ``_steps`` (a :class:`~ipukit.lightning.steps.StepBridge`: the models running the steps).
     """
 
     strategy_name = "ipu_strategy"
@@ -302,13 +262,8 @@ class IPUStrategy(ParallelStrategy):
 
     @property
     def replication_factor(self) -> int:
-        """Replicas of the current run (lightning-graphcore's rule).
-
-        After setup, the replication factor of the options of the running stage (training,
-        or validation/test/predict). Before, the user's options' ``replicationFactor``
-        (training options first) when given, else ``devices``; ``devices`` given explicitly
-        also fills in options left at one replica.
-        """
+        """Replicas of the current run: the running stage's options' after setup, else
+        lightning-graphcore's rule (:meth:`TrainerSetup.planned_replication_factor`)."""
         built = self._setup.opts
         if not built:
             return self._setup.planned_replication_factor()
@@ -325,22 +280,16 @@ class IPUStrategy(ParallelStrategy):
         return None if trainer is None else trainer.state.stage
 
     def batch_to_device(self, batch: Any, device=None, dataloader_idx: int = 0) -> Any:
-        """The precision's input cast only (``"16-mixed"``: float tensors to float16).
-
-        ipukit moves each micro-batch to its virtual IPU's device inside the call.
-        """
+        """The precision's input cast only: ipukit moves each micro-batch inside the call."""
         return self.precision_plugin.convert_input(batch)
 
     @property
     def poptorch_models(self) -> Dict[RunningStage, Any]:
-        """The ipukit model (``PoplarExecutor``) of each stage of the current Trainer run.
+        """The ipukit model (``PoplarExecutor``) of each ``RunningStage`` of the current run.
 
-        Built at setup, as lightning-graphcore: ``fit`` gives ``RunningStage.TRAINING`` and,
-        when it validates, ``VALIDATING`` (and ``SANITY_CHECKING``, the same model);
-        ``validate``/``test``/``predict`` give their stage. Keys are Lightning's
-        ``RunningStage`` and also answer to ``"train"``, ``"validate"``, ``"test"``,
-        ``"predict"``. Extra dataloaders (``dataloader_idx`` > 0) get their own models,
-        which are not listed here. Models compile at their first batch.
+        Built at setup, as lightning-graphcore; the keys also answer to ``"train"``,
+        ``"validate"``, ``"test"``, ``"predict"``. Models compile at their first batch; extra
+        dataloaders' models are not listed.
         """
         return self._steps.poptorch_models
 
@@ -350,23 +299,36 @@ class IPUStrategy(ParallelStrategy):
         self._setup.prepare(trainer, module)
         self._steps.start()
         super().setup(trainer)
-        self._steps.build(trainer.state.fn == TrainerFn.FITTING, _stages_of(trainer))
+        self._steps.build(_stages_of(trainer))
         self._steps.guard_logging(module)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        with self._setup.one_optimizer():
+        """Lightning's, refusing several optimizers: an ipukit training model steps one."""
+        count = None
+        try:
             super().setup_optimizers(trainer)
-        self._setup.check_optimizers(self.optimizers)
+        except RuntimeError as exc:  # Lightning's own refusal of several optimizers
+            if "multiple optimizers" not in str(exc):
+                raise
+            count = "more than one optimizer"
+        if count is None and len(self.optimizers) > 1:
+            count = f"{len(self.optimizers)} optimizers"
+        if count is not None:
+            raise LightningError(
+                f"IPUs currently only support one optimizer. configure_optimizers() returned "
+                f"{count}; an ipukit training model steps one optimiser inside each call. "
+                "Return one optimizer (parameter groups give parts of the model their own "
+                "settings).")
 
     @property
     def training_opts(self) -> Options:
         """The options of the training model (built at setup)."""
-        return self._setup.training_opts
+        return self._setup.opts.get("train") or self._setup.user_training_opts
 
     @property
     def inference_opts(self) -> Options:
         """The options of the validation model (built at setup)."""
-        return self._setup.inference_opts
+        return self._setup.opts.get("validate") or self._setup.user_inference_opts
 
     def process_dataloader(self, dataloader: object) -> object:
         """Each loader becomes an ``ipukit.DataLoader``: a batch is one whole ipukit call."""
@@ -402,17 +364,17 @@ class IPUStrategy(ParallelStrategy):
         if key is None:
             raise LightningError(f"timeline({stage!r}): use 'train', 'validate', 'test' or "
                                  "'predict'.")
-        model = self._steps.latest(key)
+        model = self._steps.last.get(key)
         return None if model is None else model.getTimeline()
 
     def model_for(self, stage: str = "train"):
         """The ipukit model (``PoplarExecutor``) that ran the latest ``stage`` run."""
-        return self._steps.latest(_STAGE_NAMES.get(str(stage).lower(), str(stage)))
+        return self._steps.last.get(_STAGE_NAMES.get(str(stage).lower(), str(stage)))
 
     def _write_report(self, stage: str) -> None:
         if not self.autoreport:
             return
-        model = self._steps.latest(stage)
+        model = self._steps.last.get(stage)
         tl = None if model is None else model.getTimeline()
         if tl is None:
             return
@@ -462,16 +424,12 @@ def _stages_of(trainer: "pl.Trainer") -> List[RunningStage]:
             TrainerFn.PREDICTING: [RunningStage.PREDICTING]}.get(fn, [])
 
 
-# --------------------------------------------------------------------------- registration
 def _choose_ipu_strategy() -> None:
     """``Trainer(accelerator="ipu")`` without ``strategy=`` gets :class:`IPUStrategy`.
 
-    Lightning 2.x has no public hook for an accelerator's default strategy (1.x chose the IPU
-    strategy itself), so the connector's choice is wrapped for the IPU accelerator only.
-    The wrapper keeps Lightning's own method as ``_ipukit_original`` and a later import
-    (a reload) wraps that again, never its own wrapper; it tells the accelerator by the
-    ``ipukit_virtual_ipus`` class marker and names the strategy by its registry name, so a
-    reloaded module's classes are the ones used.
+    Lightning 2.x has no public hook for it, so the connector's choice is wrapped for the IPU
+    accelerator (told by its class marker); a reload wraps Lightning's own method again
+    (``_ipukit_original``), never the wrapper.
     """
     from pytorch_lightning.trainer.connectors import accelerator_connector as connector
 
