@@ -101,6 +101,40 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+class _RunOnceInLab:
+    """A notebook the browser tests run whole in JupyterLab is not run again by nbval.
+
+    The browser test runs every cell (Run All) in a real kernel in quick mode, and fails on
+    any error output, any cell left unrun and any widget error, which is what nbval
+    (``--nbval-lax``) checks, plus the rendering. So when the browser tests of a notebook
+    will run in this session (selected, Chromium and Playwright present, MNIST found), the
+    notebook's nbval items are skipped; otherwise (``-m "not browser"``, ``pytest
+    notebooks/``, no Chromium) nbval runs it. Decided after every other plugin has
+    deselected items (``trylast``).
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not os.path.isdir(os.path.join(DATA, "MNIST", "raw")):
+            return
+        in_lab = {item.callspec.params["name"] for item in items
+                  if getattr(item, "callspec", None) is not None
+                  and "name" in item.callspec.params
+                  and item.get_closest_marker("browser") is not None
+                  and item.get_closest_marker("skip") is None
+                  and item.originalname == "test_notebook_runs_and_renders_in_jupyterlab"}
+        for item in items:
+            path = Path(str(item.fspath))
+            if path.suffix == ".ipynb" and path.name in in_lab:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"{path.name} runs whole in JupyterLab in tests/browser (every "
+                           "cell and check, and what it renders)"))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_RunOnceInLab(), "ipukit-run-once-in-lab")
+
+
 def pytest_terminal_summary(terminalreporter):
     if TIMINGS:
         terminalreporter.write_sep("-", "notebooks in JupyterLab (seconds)")
@@ -402,8 +436,15 @@ class NotebookPage:
                        ".map(c => c.model.executionCount);")
 
     def errors(self) -> list:
+        """Every error output: those drawn, and those in the cells' models (drawn or not)."""
         loc = self.node.locator('.jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]')
-        return [loc.nth(i).text_content()[:2000] for i in range(loc.count())]
+        drawn = [loc.nth(i).text_content()[:2000] for i in range(loc.count())]
+        held = self.js("return [...panel.content.widgets].filter(c => c.model.type === 'code')"
+                       ".flatMap((c, i) => { const o = c.model.outputs, r = [];"
+                       " for (let k = 0; k < o.length; k++) { const x = o.get(k).toJSON();"
+                       " if (x.output_type === 'error') r.push(`cell ${i}: ${x.ename}: ${x.evalue}`); }"
+                       " return r; });")
+        return drawn + [e for e in held if not any(e.split(": ", 2)[-1][:80] in d for d in drawn)]
 
     def widget_errors(self) -> list:
         """Widgets that failed: JupyterLab's "Error displaying widget" and ipywidgets' error views."""
