@@ -10,7 +10,6 @@ A busy process runs on each core while each notebook runs whole. Then:
   ``ipukit.calibrate.BUSY_SHARE`` of its core, marked the table uncertain, and the notebook
   printed that.
 """
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 #: "… modeled on 2 cores: 1.72× (bound 2.12×)" — a modeled ratio and its bound, as printed
 MODELED = re.compile(r"modeled[^:\n]*: ([0-9.]+)× \(bound ([0-9.]+)×")
+CHECKS = "application/vnd.ipukit.check+json"     # what a notebook's checks display
 
 
 def _run_loaded(name, tmp_path):
@@ -48,14 +48,17 @@ def _run_loaded(name, tmp_path):
         for p in busy:
             p.kill()
             p.wait()
-    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                     for o in c.outputs if o.get("output_type") == "stream")
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    checks = {}
+    for o in outputs:
+        checks.update(o.get("data", {}).get(CHECKS, {}))
+    return "\n".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream"), checks
 
 
 @pytest.mark.timeout(1200)
 def test_01_and_02_hold_their_checks_and_bounds_on_a_busy_machine(tmp_path):
-    walkthrough = _run_loaded("01_pipelining_walkthrough.ipynb", tmp_path)
-    explorer = _run_loaded("02_pipeline_explorer.ipynb", tmp_path)
+    walkthrough, _ = _run_loaded("01_pipelining_walkthrough.ipynb", tmp_path)
+    _, explorer = _run_loaded("02_pipeline_explorer.ipynb", tmp_path)
 
     modeled = [(float(r), float(b)) for r, b in MODELED.findall(walkthrough)]
     assert modeled, "no modeled speed-up printed beside its bound"
@@ -63,8 +66,7 @@ def test_01_and_02_hold_their_checks_and_bounds_on_a_busy_machine(tmp_path):
         assert ratio <= bound + 0.01, (ratio, bound)
     assert not any(MODELED.search(line) and "above it" in line for line in walkthrough.splitlines())
 
-    # 01 prints "uncertain: …" after a table's costs; 02's check line holds its table
-    check = next(line for line in explorer.splitlines() if line.startswith("IPUKIT_CHECK"))
-    explorer_table = json.loads(check.split(" ", 2)[2])["costs"]
+    # 01 prints "uncertain: …" after a table's costs; 02's checks display its table
+    explorer_table = explorer["explorer"]["costs"]
     assert "uncertain:" in walkthrough or explorer_table["uncertain"], \
         "a table calibrated beside a busy process per core was not marked uncertain"

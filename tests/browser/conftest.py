@@ -318,6 +318,18 @@ def browser():
 _FIND_PANEL = ("const panel = [...window.jupyterapp.shell.widgets('main')]"
                ".find(w => w.context && w.context.path === path);")
 
+# The checks' values every code cell displayed, read from the cells' models (drawn or not).
+_CHECKS_JS = """
+return [...panel.content.widgets].filter(c => c.model.type === 'code').flatMap(c => {
+  const o = c.model.outputs, r = [];
+  for (let k = 0; k < o.length; k++) {
+    const data = o.get(k).toJSON().data || {};
+    if (data['application/vnd.ipukit.check+json']) r.push(data['application/vnd.ipukit.check+json']);
+  }
+  return r;
+});
+"""
+
 # The plotly.js data of every plot in the panel, in document order: each trace as plotly.js
 # drew it (its ``_fullData``, where arrays sent base64-encoded are decoded; typed arrays
 # turned into plain ones) and the layout's title.
@@ -461,20 +473,18 @@ class NotebookPage:
         return self.node.locator(".jp-OutputArea-output").all_text_contents().__str__()
 
     def markers(self) -> dict:
-        """Every ``IPUKIT_CHECK <name> <json>`` line the notebook printed, by name."""
+        """What the notebook's checks found: every ``application/vnd.ipukit.check+json``
+        output (``{name: value}``; the learner sees its one-line ``text/plain``), by name."""
         found = {}
-        for text in self.node.locator(".jp-OutputArea-output").all_text_contents():
-            for line in text.splitlines():
-                if line.startswith("IPUKIT_CHECK "):
-                    _, name, value = line.split(" ", 2)
-                    found[name] = json.loads(value)
+        for data in self.js(_CHECKS_JS):
+            found.update(data)
         return found
 
     def marker(self, name: str):
-        """A JSON value the notebook printed as ``IPUKIT_CHECK <name> <json>``."""
+        """The value the notebook's checks displayed under ``name``."""
         found = self.markers()
         if name not in found:
-            raise AssertionError(f"the notebook printed no IPUKIT_CHECK {name}")
+            raise AssertionError(f"the notebook displayed no check value {name!r}")
         return found[name]
 
     def plots(self) -> list:
