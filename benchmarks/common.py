@@ -5,14 +5,18 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-# the side-by-side timing the library's example uses too (notebooks 01 and 03)
-from ipukit.examples.recurrent import interleaved, paired_ratio, threads  # noqa: F401
+# the side-by-side timing notebook 03 uses too (notebooks/lessons.py, beside the notebooks)
+NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+if NOTEBOOKS not in sys.path:
+    sys.path.append(NOTEBOOKS)
+from lessons import interleaved, paired_ratio, threads  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

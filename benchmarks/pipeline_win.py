@@ -1,7 +1,7 @@
 """A learner-sized model where pipelining clearly wins on a 2-core CPU: two LSTM stages.
 
-The model, its data and the five-way timing live in :mod:`ipukit.examples.recurrent`
-(notebooks 01 and 03 use them too); this module makes the suite's rows of it.
+The model and its data live in :mod:`ipukit.examples.recurrent`, the five-way timing in
+notebooks/lessons.py (notebooks 01 and 03 use them too); this module makes the suite's rows.
 
 The model: an LSTM text classifier (token embedding, LSTM, LSTM, linear
 classifier; 96 features, sequences of 48 tokens) split into two balanced
@@ -48,9 +48,9 @@ from its second thread, and the pipeline's margin over it shrank to
 """
 from __future__ import annotations
 
-from ipukit.examples.recurrent import measure
+from .common import Sizes, verdict  # (puts notebooks/ on the path: lessons.measure)
 
-from .common import Sizes, verdict
+from lessons import measure  # noqa: E402
 
 
 def pipeline_win(s: Sizes) -> dict:

@@ -49,8 +49,8 @@ def test_smoke_refuses_to_overwrite_the_real_results():
 
 def test_pipeline_win_measures_every_variant():
     """The 'pipeline wins' case (tiny sizes): five variants timed, two stages, a valid overlap.
-    Its model and timing are the library's example (notebooks 01 and 03 use them)."""
-    from ipukit.examples.recurrent import measure
+    Its model is the library's example, its timing notebook 03's (notebooks/lessons.py)."""
+    from lessons import measure
 
     d = measure(hidden=8, length=3, micro_batch=2, micro_batches=4, rounds=2, per_round=1)
     variants = ("loop_1", "loop_2", "sharded_1", "sharded_2", "pipelined")
