@@ -10,10 +10,10 @@ loop of 2 IPUs; ZBV and DualPipeV on a V of 2 IPUs), without and with every
 stage recomputing. One warm-up call (the optimiser's state then exists), then
 one call inside ``track_memory()``: its measured peak per IPU
 (:class:`ipukit.timeline.events.MemoryTrack`) beside :func:`memory_report`'s
-modeled total, and their ratio. The tracked call then measures each stage's
-pass transients alone (``calibrate_memory``: one micro-batch's F, B, I and W of
-that stage, never the pipelined call), which the *calibrated* column adds
-along each IPU's lane (``ipu_pass_peak``). The tracker's cost is timed on the convnet:
+modeled total, and their ratio. Then each stage's pass transients are measured
+alone (``stage_transients`` in benchmarks/memory_transients.py: one micro-batch's F,
+B, I and W of that stage, never the pipelined call), which the *calibrated* column
+adds along each IPU's lane (``ipu_pass_peak``). The tracker's cost is timed on the convnet:
 median call time with and without it, calls alternated.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ from ipukit.examples import mnist, vit  # noqa: E402
 from ipukit.runtime.memory_track import track_memory  # noqa: E402
 from ipukit.schedules.generators import placement  # noqa: E402
 from ipukit.viz.memory import measured_memory  # noqa: E402
+
+from benchmarks.memory_transients import calibrated_columns  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1", "ZBV", "DualPipeV")
 KIND = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved-1f1b", "ZBH1": "zb-h1",
@@ -89,17 +91,18 @@ def measure(model_name: str, schedule: str, recompute: bool) -> List[Dict]:
     with track_memory():
         model(x, y)
     report = measured_memory(model)
+    calibrated = calibrated_columns(model, report)    # each pass measured on its stage alone
     rows = []
     for r in report.rows:
+        cal = calibrated[r["ipu"]]
         rows.append({"model": model_name, "schedule": schedule, "recompute": recompute,
                      "ipu": r["ipu"], "measured": r["measured_peak_bytes"],
                      "baseline": r["measured_baseline_bytes"], "held": r["measured_held_bytes"],
                      "modeled": r["modeled_bytes"], "modeled_static": r["modeled_static_bytes"],
                      "modeled_ipu": r["modeled_ipu_bytes"], "modeled_held": r["modeled_held_bytes"],
                      "modeled_stash": r["modeled_stash_bytes"], "ratio": r["ratio"],
-                     "calibrated": r["modeled_calibrated_bytes"],
-                     "calibrated_held": r["modeled_calibrated_held_bytes"],
-                     "transient": r["modeled_transient_bytes"],
+                     "calibrated": cal["calibrated"], "calibrated_held": cal["calibrated_held"],
+                     "transient": cal["transient"],
                      "in_flight": [st["micro_batches_in_flight"] for st in report.modeled.stages
                                    if st["ipu"] == r["ipu"]]})
     model.destroy()
@@ -230,9 +233,10 @@ def markdown(rows: List[Dict], costs: List[Dict], load=None) -> str:
            "recomputing stage stashing its inputs and outputs only plus one micro-batch's "
            "rebuilt activations (`recompute_bytes`); *IPU model, held*: without the rebuilt "
            "activations.",
-           "* *calibrated*: `modeled_calibrated_bytes`: the same static bytes and stashes walked "
-           "along each IPU's lane, every pass adding its own transient (its peak beyond what it "
-           "holds), measured once on its stage alone after the call (`calibrate_memory`: one "
+           "* *calibrated* (this benchmark's own model, `benchmarks/memory_transients.py`): the same "
+           "static bytes and stashes walked along each IPU's lane, every pass adding its own "
+           "transient (its peak beyond what it holds), measured on its stage alone after the "
+           "call (`stage_transients`: one "
            "micro-batch's F, B, I, W of that stage under the tracker), and a split backward "
            "keeping what its `I` leaves for `W`; *calibrated, held*: between passes.",
            "* ✓: within 10 %.", "",

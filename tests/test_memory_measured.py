@@ -293,7 +293,7 @@ def test_benchmark_table_renders(tmp_path):
     assert "Where and why they differ" in text and "| 2.00 |" in text
 
 
-# -- Options.trackMemory, and the pass transients measured on each stage alone -----------------
+# -- Options.trackMemory; the memory benchmark's pass transients measured on each stage alone --
 
 def test_track_memory_option_measures_every_call_without_the_context_manager():
     from ipukit.core.errors import FrozenOptionsError
@@ -327,56 +327,59 @@ def _one_linear(ga=4, track=True):
 
 
 def test_one_stage_peak_is_static_plus_stash_plus_the_largest_pass_transient():
-    """One stage on one thread: the calibrated model and the measurement count the same
-    tensors, so they agree to a few bytes; without the transient the model stays below."""
+    """One stage on one thread: the memory benchmark's calibrated model and the measurement
+    count the same tensors, so they agree to a few bytes; without the transient the model
+    stays below."""
+    from benchmarks.memory_transients import calibrated_columns
+
     model = _one_linear()
     x, y = batch(4 * 16)
-    model(x, y)                        # the first tracked call calibrates, after the call
     model(x, y)
-    [row] = measured_memory(model).rows
-    assert row["modeled_calibrated_bytes"] is not None and row["modeled_transient_bytes"] > 0
-    assert abs(row["measured_peak_bytes"] - row["modeled_calibrated_bytes"]) <= 64
-    assert abs(row["measured_held_bytes"] - row["modeled_calibrated_held_bytes"]) <= 64
+    model(x, y)
+    measured = measured_memory(model)
+    [row] = measured.rows
+    cal = calibrated_columns(model, measured)[row["ipu"]]
+    assert cal["transient"] > 0
+    assert abs(row["measured_peak_bytes"] - cal["calibrated"]) <= 64
+    assert abs(row["measured_held_bytes"] - cal["calibrated_held"]) <= 64
     assert row["modeled_ipu_bytes"] < row["measured_peak_bytes"]
 
 
 def test_gpipe_peaks_are_predicted_from_isolated_passes():
     """GPipe peaks at each stage's first backward, all M micro-batches stashed and no
-    gradient sent yet: what each IPU holds then depends on its own lane only, so the model
-    calibrated on isolated passes predicts every IPU's peak to a few bytes. (1F1B's later
-    stages also hold the gradients they sent until the receiver drops them: timing.)"""
+    gradient sent yet: what each IPU holds then depends on its own lane only, so the
+    benchmark's model calibrated on isolated passes predicts every IPU's peak to a few
+    bytes. (1F1B's later stages also hold the gradients they sent until the receiver drops
+    them: timing.)"""
+    from benchmarks.memory_transients import calibrated_columns
+
     model = pipelined(ga=5, schedule="GPipe")
     x, y = batch(5 * 64)
     tracked_call(model, x, y)
-    for r in measured_memory(model).rows:
-        assert abs(r["measured_peak_bytes"] - r["modeled_calibrated_bytes"]) <= 64
-        assert r["modeled_calibrated_bytes"] > r["modeled_ipu_bytes"]   # the transient adds
+    measured = measured_memory(model)
+    cal = calibrated_columns(model, measured)
+    for r in measured.rows:
+        assert abs(r["measured_peak_bytes"] - cal[r["ipu"]]["calibrated"]) <= 64
+        assert cal[r["ipu"]]["calibrated"] > r["modeled_ipu_bytes"]   # the transient adds
 
 
-def test_calibration_measures_stages_alone_and_changes_nothing():
-    from ipukit.runtime.memory_track import calibrate_memory
-    from ipukit.viz.memory import known_transients
+def test_stage_transients_measure_stages_alone_and_change_nothing():
+    from benchmarks.memory_transients import stage_transients
 
     model = pipelined(ga=5, schedule="ZBH1")
     x, y = batch(5 * 16)
     model(x, y)                                           # compiled, untracked
-    assert known_transients(model) is None
     before = [t.detach().clone() for t in model.model.state_dict().values()]
     rng = torch.get_rng_state()
-    found = calibrate_memory(model)                       # synthetic micro-batch, no call
+    found = stage_transients(model.program)               # synthetic micro-batch, no call
     after = list(model.model.state_dict().values())
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert torch.equal(rng, torch.get_rng_state())
-    assert known_transients(model) == found and len(found) == 3
+    assert len(found) == 3
     keys = {"held", "forward", "backward", "input_grad", "between", "weight_grad", "sent"}
     for t in found:
         assert keys <= set(t) and t["held"] > 0
         assert t["backward"] >= 0 and t["input_grad"] >= 0 and t["weight_grad"] >= 0
     assert found[0]["sent"] == 0 and found[1]["sent"] > 0   # IPU 0's inputs need no gradient
     assert found[1]["between"] > 0      # I keeps captured gradients for W
-    assert found == calibrate_memory(model)               # counts, not times: repeatable
-    with track_memory():
-        model(x, y)
-    assert known_transients(model) == found               # kept: a tracked call does not redo it
-    rows = measured_memory(model).rows
-    assert all(r["modeled_calibrated_bytes"] >= r["modeled_static_bytes"] for r in rows)
+    assert found == stage_transients(model.program)       # counts, not times: repeatable

@@ -42,18 +42,10 @@ each tensor it receives, for the stage's life, so they are in the baseline
 (``parts["receive_buffers"]``), where on threads a received tensor counts only while it is
 used; and a sent tensor counts on its sender until the sender drops it (the receiver has
 its own copy), not until the receiver does. Process 0's timeline carries every process's
-track (:class:`~ipukit.runtime.processes.exchange.SpanGather`); each stage's passes are
-not calibrated alone there (below: that runs the threads' executor).
-
-The first tracked call of a training model then measures each stage's passes alone
-(:func:`calibrate_memory`, :func:`stage_transients`: one micro-batch's ``F``, ``B``, ``I``,
-``W`` of that stage under a tracker of its own, after the call): what each pass needs beyond
-what it holds. :func:`ipukit.viz.memory.measured_memory` adds those transients to its
-stash model (``modeled_calibrated_bytes``).
+track (:class:`~ipukit.runtime.processes.exchange.SpanGather`).
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -67,8 +59,7 @@ import torch
 from .._torch import dispatch_mode_class
 from ..timeline.events import MemoryTrack
 
-__all__ = ["CallMemory", "track_memory", "tracking", "untracked", "coalesce",
-           "calibrate_memory", "stage_transients", "peak_rss"]
+__all__ = ["CallMemory", "track_memory", "tracking", "untracked", "coalesce", "peak_rss"]
 
 _switch = {"depth": 0}
 _switch_lock = threading.Lock()
@@ -172,8 +163,6 @@ class CallMemory:
         self.lock = threading.RLock()   # a release (a weakref callback) may come from GC inside
         self.live: Dict[int, list] = {}      # storage key -> [weakref, bytes, [tracks]]
         self.ignored = set()                 # the call's inputs: the host's
-        inputs = list(inputs)
-        self.first_row = inputs[0] if inputs else None   # for calibrate_memory after the call
         for row in inputs:
             for v in row:
                 if isinstance(v, torch.Tensor) and (s := _storage(v)) is not None:
@@ -379,12 +368,8 @@ class CallMemory:
                 entry[2].remove(track)
 
     # -- the result ------------------------------------------------------------------------
-    def finish(self, calibrate: bool = True) -> List[MemoryTrack]:
-        """The tracks, as the timeline keeps them; storages still alive stay counted as ``end``.
-
-        ``calibrate``: a training model's first tracked call then measures each stage's pass
-        transients in isolation (:func:`calibrate_memory`), after the call, once.
-        """
+    def finish(self) -> List[MemoryTrack]:
+        """The tracks, as the timeline keeps them; storages still alive stay counted as ``end``."""
         allocator = {}
         for d in self.cuda:   # pragma: no cover - GPU only (untested: no GPU here)
             allocator[d] = int(torch.cuda.max_memory_allocated(d))
@@ -402,18 +387,6 @@ class CallMemory:
             self.live.clear()   # stop listening: later releases are not this call's
             for tr in self.tracks.values():
                 tr.borrowed.clear()
-        if calibrate and self.first_row is not None and self.plan.training:
-            from ..viz.memory import known_transients
-
-            if known_transients(self.plan) is None:   # once per compiled model
-                row = [v.clone() if isinstance(v, torch.Tensor) else v for v in self.first_row]
-                try:   # own copies: a model that changes its inputs must not change the call's
-                    calibrate_memory(self.plan, row)
-                except Exception as exc:   # the call itself succeeded: keep its result
-                    logging.getLogger("ipukit").warning(
-                        "ipukit: measuring each stage's passes alone failed (%s: %s); "
-                        "measured_memory() has no calibrated model for this model.",
-                        type(exc).__name__, exc)
         return out
 
 
@@ -490,141 +463,3 @@ def _mode_class():
 
 
 # -- each stage's passes in isolation: the memory model's transients ------------------------
-
-class _Mailbox(dict):
-    """The calibration's mailboxes (one thread: a dict)."""
-
-    aborted = False
-    put, take = dict.__setitem__, dict.pop
-
-
-def _synthetic_row(plan) -> list:
-    """One micro-batch of inputs with the compiled shapes and dtypes (values: None)."""
-    row: list = []
-    for entry in plan.signature:
-        if entry[0] != "tensor":
-            row.append(None)
-            continue
-        _, shape, dtype = entry
-        row.append(torch.randn(shape, dtype=dtype) if dtype.is_floating_point
-                   else torch.zeros(shape, dtype=dtype))
-    return row
-
-
-def stage_transients(plan, row: Optional[list] = None) -> List[Dict[str, int]]:
-    """Per stage, the bytes each pass of one micro-batch needs beyond what it holds, measured
-    on that stage alone (the executor's own forward, backward and split-backward code).
-
-    ``row``: one micro-batch of the model's flat inputs (default synthetic ones). Each
-    stage's inputs come from a forward of the stages before it (outside the tracker); the
-    gradients it would receive are ones, made outside too (they count on their sender);
-    its gradient accumulators exist already (a later micro-batch's backward). Under a
-    :class:`CallMemory` of its own, bytes relative to the level before the forward:
-    ``held`` (after ``F``: the stash of one micro-batch as the tracker counts it),
-    ``forward`` (``F``'s peak − ``held``), ``backward`` (``B``'s peak − ``held``),
-    ``input_grad`` (``I``'s peak − ``held``), ``between`` (what ``I`` leaves for ``W``
-    beyond ``held``: captured gradients, a recomputed graph), ``weight_grad`` (``W``'s
-    peak − what ``I`` left), ``sent`` (the input gradients a backward sends to the stages
-    before it: they count here until the receiver drops them). Gradients sent count in the
-    pass's peak, then are dropped. Weights, buffers and random state are left as they were.
-    """
-    from ..core.ops import running_on_ipu
-    from ..schedules.ir import Action, BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD
-    from ..viz.memory import unchanged_state
-    from .actions import ActionRunner
-
-    stages = plan.partition.stages
-    box = _Mailbox()
-    accumulators = {(0, s): [torch.zeros_like(p) for p in plan.trainable[s]]
-                    for s in range(len(stages))}
-    result: List[Dict[str, int]] = []
-    with unchanged_state(st.module for st in stages), torch.enable_grad(), running_on_ipu():
-        row = _synthetic_row(plan) if row is None else list(row)   # (the random state kept)
-        runner = ActionRunner(plan, 1, [row], 1, box, [[None] * len(plan.partition.outputs)],
-                              accumulators, 1.0, False)
-        received: Dict[int, dict] = {}   # stage -> its input mailboxes, from a plain forward
-        returned: Dict[int, dict] = {}   # stage -> the gradients its consumers send back
-        for st in stages:
-            received[st.index] = {k: v for k, v in box.items() if k[0] == "A" and k[1] == st.index}
-            stash: dict = {}
-            runner.forward(Action(FORWARD, st.index, 0), 0, stash)
-            outs = stash[(st.index, 0, 0)][1]
-            returned[st.index] = {("G", st.index, c, pos, 0, 0, 0): torch.ones_like(outs[item])
-                                  for c, pos, item in plan.consumers[st.index]
-                                  if isinstance(outs[item], torch.Tensor)
-                                  and outs[item].requires_grad}
-        box.clear()
-        for st in stages:
-            s, entry = st.index, {"stage": st.index, "ipu": st.ipu}
-            for split in (False, True):
-                entry.update(_one_stage(plan, runner, box, s, received[s], returned[s], split,
-                                        row, (Action(FORWARD, s, 0), Action(BACKWARD, s, 0),
-                                              Action(INPUT_GRAD, s, 0), Action(WEIGHT_GRAD, s, 0))))
-            result.append(entry)
-    return result
-
-
-def _one_stage(plan, runner, box, s: int, received: dict, returned: dict, split: bool, row,
-               actions) -> Dict[str, int]:
-    """One micro-batch through stage ``s`` alone, tracked: ``F`` then ``B`` (or ``I``, ``W``)."""
-    f, b, i, w = actions
-    ipu = plan.partition.stages[s].ipu
-    memory = CallMemory(plan, None, 1, None, inputs=[row])
-    track = memory.tracks[(0, ipu)]
-    box.clear()
-    box.update(received)
-    stash: dict = {}
-    out: Dict[str, int] = {}
-    try:
-        with memory.thread(0, ipu):
-            with memory.lock:   # the accumulators exist already (a later micro-batch's B)
-                for acc in runner.accumulators[(0, s)]:
-                    memory._hold(track, acc)
-            base = track.level
-            runner.forward(f, 0, stash)
-            held = track.level - base
-            out["held"] = held
-            out["forward"] = track.peak - base - held
-            box.clear()           # published to the consumers: the same tensors as the stash
-            box.update(returned)  # what the consumers send back (made, and counted, there)
-            track.peak = track.level
-            if not split:
-                runner.backward(b, 0, stash)
-                out["backward"] = track.peak - base - held
-                out["sent"] = _sent_bytes(box, s)
-            else:
-                runner.input_grad(i, 0, stash)
-                out["input_grad"] = track.peak - base - held
-                box.clear()   # the input gradients sent: the previous stage takes them
-                left = track.level - base
-                out["between"] = left - held
-                track.peak = track.level
-                runner.weight_grad(w, 0, stash)
-                out["weight_grad"] = track.peak - base - left
-            box.clear()
-            stash.clear()
-    finally:
-        memory.finish(calibrate=False)
-    return out
-
-
-def _sent_bytes(box: dict, s: int) -> int:
-    """Bytes of the gradients stage ``s`` put in its producers' mailboxes (one per storage)."""
-    seen: Dict[int, int] = {}
-    for k, v in box.items():
-        if k[0] == "G" and k[2] == s and isinstance(v, torch.Tensor) and (st := _storage(v)):
-            seen[id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
-def calibrate_memory(model, row: Optional[list] = None) -> List[Dict[str, int]]:
-    """Measure each stage's pass transients in isolation (:func:`stage_transients`) and keep
-    them with the compiled model, where :func:`ipukit.viz.memory.measured_memory` adds them to
-    its model of the peak (``modeled_calibrated_bytes``). ``model``: a compiled ipukit model or
-    its ``Program``. A tracked call does this once by itself, after the call."""
-    from ..viz.memory import remember_transients
-
-    plan = getattr(model, "program", model)
-    found = stage_transients(plan, row)
-    remember_transients(plan, found)
-    return found

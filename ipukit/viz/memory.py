@@ -11,10 +11,8 @@ stage, and multiplies them by the micro-batches each schedule keeps in flight
 
 :func:`measured_memory` puts a call's *measured* peak per virtual IPU
 (``Timeline.memory``, recorded under ``ipukit.runtime.memory_track.track_memory()``)
-beside that model, with a per-IPU refinement of it (:func:`ipu_stash_peak`,
-:func:`recompute_bytes`) and a calibrated one (:func:`ipu_pass_peak`: each pass adds its own
-transient, measured on its stage alone by ``ipukit.runtime.memory_track.calibrate_memory``
-and kept here, :func:`known_transients`).
+beside that model and a per-IPU refinement of it (:func:`ipu_stash_peak`: an IPU's stages'
+stashes added up at the same time; :func:`recompute_bytes`: what a recomputing stage keeps).
 """
 from __future__ import annotations
 
@@ -450,13 +448,7 @@ class MeasuredMemory:
     :func:`recompute_bytes`: a recomputing stage stashes its inputs and outputs and rebuilds
     one micro-batch's activations during a backward — kept from ``I`` to ``W`` when the
     backward is split), ``modeled_held_bytes`` (the same but a ``B``'s rebuilt activations:
-    what it models between passes), ``modeled_calibrated_bytes`` (static plus
-    :func:`ipu_pass_peak`: the same stashes walked along the IPU's lane, each pass adding its
-    own transient as measured on its stage alone, once per compiled model after its first
-    tracked call: :func:`ipukit.runtime.memory_track.calibrate_memory`; None until then),
-    ``modeled_calibrated_held_bytes`` (the same between passes: stashes and what a split
-    backward keeps from ``I`` to ``W``), ``modeled_transient_bytes`` (what the transients add
-    to the stash walk), ``ratio`` (measured ÷ modeled) and ``allocator_peak_bytes`` (GPU only).
+    what it models between passes), ``ratio`` (measured ÷ modeled) and ``allocator_peak_bytes`` (GPU only).
     """
 
     rows: List[Dict[str, Any]]
@@ -528,78 +520,6 @@ def recompute_bytes(model) -> List[Tuple[int, int]]:
             else (full[st["stage"]], 0) for st in kept]
 
 
-# -- each pass's transients, measured on its stage alone -----------------------------------
-
-_TRANSIENTS: Dict[int, Tuple[Any, List[Dict[str, int]]]] = {}
-
-
-def remember_transients(plan, transients: Sequence[Dict[str, int]]) -> None:
-    """Keep a compiled model's measured pass transients (one dict per stage, see
-    :func:`ipukit.runtime.memory_track.stage_transients`) for :func:`measured_memory`."""
-    _TRANSIENTS[id(plan)] = (weakref.ref(plan), [dict(t) for t in transients])
-    weakref.finalize(plan, _TRANSIENTS.pop, id(plan), None)
-
-
-def known_transients(model) -> Optional[List[Dict[str, int]]]:
-    """The pass transients measured for a compiled model (or its ``Program``), or None."""
-    plan = getattr(model, "program", model)
-    found = _TRANSIENTS.get(id(plan))
-    return [dict(t) for t in found[1]] if found is not None and found[0]() is plan else None
-
-
-def ipu_pass_peak(schedule: Schedule, per_micro_batch: Sequence[int],
-                  transients: Sequence[Dict[str, int]],
-                  accumulators: Optional[Sequence[int]] = None) -> Dict[int, Tuple[int, int]]:
-    """Per virtual IPU: (peak bytes above the static ones during a pass, peak between passes).
-
-    Walks each IPU's lane as :func:`ipu_stash_peak` does; during each pass the level is what
-    its IPU holds before it plus that pass's own transient, measured on its stage alone
-    (``transients[s]``: ``forward`` on top of the new stash, ``backward``, ``input_grad``
-    and ``weight_grad`` on top of what the pass starts with; a split backward's ``between``
-    is kept from ``I`` to ``W``; the input gradients a backward sends, ``sent``, are counted
-    until the IPU's next backward: the receiver's backward drops them by then). A
-    recomputing stage's ``backward`` includes its rebuilt activations (it was measured doing
-    so), so no separate rebuilt term is added. ``accumulators[s]``: the bytes of stage ``s``'s
-    gradient accumulators, counted in the static bytes but made by its first backward (or
-    ``W``) of the call, whose fresh gradients become them: until then the walk subtracts them.
-    """
-    out: Dict[int, Tuple[int, int]] = {}
-    if not schedule.training:
-        return {ipu: (0, 0) for ipu in set(schedule.stage_ipus)}
-    accumulators = list(accumulators) if accumulators is not None else [0] * len(transients)
-    for lane in schedule.lanes:
-        # the lane's stages have no accumulators until their first backward makes them
-        level = -sum(accumulators[s] for s in {a.stage for a in lane})
-        top = held = sent = 0
-        made = set()
-        for a in lane:
-            s, t = a.stage, transients[a.stage]
-            held = max(held, level + sent)
-            if a.kind == FORWARD:
-                level += per_micro_batch[s]
-                top = max(top, level + sent + t.get("forward", 0))
-            elif a.kind == BACKWARD:
-                top = max(top, level + sent + t.get("backward", 0))
-                level -= per_micro_batch[s]
-            elif a.kind == INPUT_GRAD:
-                top = max(top, level + sent + t.get("input_grad", 0))
-                level += t.get("between", 0)
-            elif a.kind == WEIGHT_GRAD:
-                top = max(top, level + sent + t.get("weight_grad", 0))
-                level -= per_micro_batch[s] + t.get("between", 0)
-            # a backward's input gradients count here until the receiver's backward drops
-            # them: assumed before this IPU's next backward sends the next ones
-            if a.kind in (BACKWARD, INPUT_GRAD):
-                sent = t.get("sent", 0)
-            if a.kind in (BACKWARD, WEIGHT_GRAD) and s not in made:   # its fresh gradients stay
-                made.add(s)
-                level += accumulators[s]
-        for ipu in {schedule.stage_ipus[a.stage] for a in lane}:
-            old = out.get(ipu, (0, 0))
-            out[ipu] = (max(old[0], top), max(old[1], held))
-    return out
-
-
 def _level_at(samples, t: float) -> int:
     """Bytes alive at time ``t`` (the last sample at or before it)."""
     import bisect
@@ -639,10 +559,6 @@ def measured_memory(model, timeline=None) -> MeasuredMemory:
     if not plan.schedule.split_backward:   # (split: I's rebuilt graph is in the walk above)
         for st in report.stages:   # one micro-batch's recomputed activations, during its B
             rebuilt[st["ipu"]] = max(rebuilt.get(st["ipu"], 0), kept[st["stage"]][1])
-    transients = known_transients(plan) if same else None
-    passes = (ipu_pass_peak(plan.schedule, [k for k, _ in kept], transients,
-                            [st["gradient_accumulator_bytes"] for st in report.stages])
-              if transients is not None else {})
     everything = sum(modeled.values())
     rows = []
     for m in sorted(tracks, key=lambda m: m.ipu):
@@ -661,12 +577,6 @@ def measured_memory(model, timeline=None) -> MeasuredMemory:
                                   + rebuilt.get(m.ipu, 0)) if m.ipu >= 0 else model_bytes,
             "modeled_held_bytes": (static.get(m.ipu, 0) + together.get(m.ipu, 0)) if m.ipu >= 0
             else model_bytes,
-            "modeled_calibrated_bytes": (static.get(m.ipu, 0) + passes[m.ipu][0]
-                                         if m.ipu in passes else None),
-            "modeled_calibrated_held_bytes": (static.get(m.ipu, 0) + passes[m.ipu][1]
-                                              if m.ipu in passes else None),
-            "modeled_transient_bytes": (passes[m.ipu][0] - together.get(m.ipu, 0)
-                                        if m.ipu in passes else None),
             "ratio": m.peak / model_bytes if model_bytes else float("inf"),
             "allocator_peak_bytes": m.allocator_peak})
     notes = list(report.notes)

@@ -443,7 +443,7 @@ class _Runtime:
                     if memory is not None:
                         memory.after_step()
         rec.resolve()  # this process's spans as times
-        tracks = None if memory is None else memory.finish(calibrate=False)
+        tracks = None if memory is None else memory.finish()
         # process 0's timeline: every process's spans (and memory), gathered while the rows arrive
         spans = self.spans.start(rec.events, t_call, tracks) if rec.on else None
         rows = rows_of_replica()  # every process of the replica: the replica's rows
