@@ -30,7 +30,7 @@ from .runtime.memory_track import track_memory
 from .schedules import Action, Schedule
 from .timeline import Event, Timeline
 from .timeline.compare import compare_schedules
-from .timeline.simulate import costs_from, model_like, simulate
+from .timeline.simulate import costs_from, simulate
 
 __version__ = "0.1.0"
 
@@ -91,7 +91,7 @@ __all__ = [
     "HalfFloatCastingBehavior", "MeanReductionStrategy", "Options", "OutputMode",
     "ParallelPhasedExecution", "PipelinedExecution", "PoplarExecutor", "ReductionType",
     "SerialPhasedExecution", "ShardedExecution", "Stage", "SyncPattern", "TensorLocationSettings",
-    "Timeline", "Action", "Schedule", "costs_from", "model_like", "identity_loss", "inferenceModel",
+    "Timeline", "Action", "Schedule", "costs_from", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipu_print_tensor", "isRunningOnIpu", "nop", "optim",
     "recomputationCheckpoint", "removeBlocks", "set_available_memory", "setLogLevel", "simulate",
     "compare_schedules",

@@ -9,7 +9,6 @@ import ipukit
 from ipukit import Timeline
 from ipukit.schedules import build
 from ipukit.schedules.ir import walk
-from ipukit.timeline.simulate import model_like
 
 KINDS = ("gpipe", "1f1b", "sharded", "inference", "sharded-inference")
 CASES = [(1, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 16), (6, 2), (8, 32)]
@@ -127,66 +126,12 @@ def test_a_core_limit_is_respected_and_costs_time(kind, cores):
     schedule, costs, _ = _random_case(rng, kind, 4, 8)
     tl_free = ipukit.simulate(kind, 4, 8, costs["F"], costs["B"] if "inf" not in kind else 0.0,
                               step_cost=costs["S"], iterations=2, schedule=schedule)
-    measured = Timeline(tl_free.events, modeled=False,
-                        meta={"kind": kind, "num_stages": 4, "micro_batches": 8, "iterations": 2})
-    limited = model_like(measured, cores=cores)
+    limited = ipukit.simulate(kind, 4, 8, costs["F"], costs["B"] if "inf" not in kind else 0.0,
+                              step_cost=costs["S"], iterations=2, schedule=schedule, cores=cores)
     check_respects_schedule(limited, cores=cores)
     work = sum(e.duration for e in limited.device_events() if e.kind != "step")
     assert limited.wall_time >= work / cores - 1e-9
-    assert limited.wall_time >= model_like(measured).wall_time - 1e-9
-
-
-# -- modeling a measured run -----------------------------------------------------------------
-
-def test_model_like_reproduces_a_run_with_known_costs():
-    """A 'measured' timeline whose costs are exactly known is modeled back exactly."""
-    costs = dict(forward_cost=[1.0, 2.0, 1.5], backward_cost=[2.0, 4.0, 3.0], step_cost=0.5)
-    truth = ipukit.simulate("1f1b", 3, 6, iterations=2, **costs)
-    measured = Timeline(truth.events, modeled=False,
-                        meta={"kind": "1f1b", "num_stages": 3, "micro_batches": 6,
-                              "iterations": 2, "replicas": 1, "call": 4})
-    again = model_like(measured)
-    assert again.modeled and again.meta["modeled_from"] == 4
-    assert sorted(again.events) == sorted(truth.events)
-    assert model_like(measured, cores=3).events == again.events   # 3 workers, 3 cores
-
-
-def test_model_like_uses_the_measured_schedule_and_medians():
-    from test_timeline import run_training
-
-    model, tl = run_training(ms=(4.0, 2.0, 2.0), ga=5, di=1)
-    for cores in (None, 2):
-        modeled = model_like(tl, cores=cores)
-        key = lambda e: (e.stage, e.kind, e.micro_batch, e.iteration)  # noqa: E731
-        assert {key(e) for e in modeled.device_events()} == {key(e) for e in tl.device_events()}
-        c = tl.stage_costs()
-        assert modeled.meta["forward_cost"] == c["forward"]
-        assert modeled.meta["backward_cost"] == c["backward"]
-        for e in modeled.device_events():
-            assert e.duration == pytest.approx(c[e.kind][e.stage])
-        # host set-up and output gathering are modeled too: same share of the wall
-        assert modeled.events[0].kind == "host" and modeled.events[-1].kind == "host"
-        check_respects_schedule(modeled, cores=cores)
-    assert model_like(tl, cores=1).wall_time > model_like(tl).wall_time
-
-
-def test_model_like_needs_schedule_metadata():
-    with pytest.raises(ValueError, match="schedule metadata"):
-        model_like(Timeline([], meta={}))
-
-
-def test_model_like_with_costs_of_another_run():
-    """E.g. a pipelined run modeled with the uncontended costs of a sharded run."""
-    pipelined = Timeline(ipukit.simulate("1f1b", 3, 6, forward_cost=5.0).events, modeled=False,
-                         meta={"kind": "1f1b", "num_stages": 3, "micro_batches": 6})
-    sharded = ipukit.simulate("sharded", 3, 6, forward_cost=[1.0, 2.0, 1.0],
-                              backward_cost=[2.0, 4.0, 2.0], step_cost=0.5)
-    modeled = model_like(pipelined, costs=sharded.stage_costs())
-    expected = ipukit.simulate("1f1b", 3, 6, forward_cost=[1.0, 2.0, 1.0],
-                               backward_cost=[2.0, 4.0, 2.0], step_cost=0.5)
-    assert sorted(modeled.events) == sorted(expected.events)
-    with pytest.raises(ValueError, match="one value per stage"):
-        model_like(pipelined, costs={"forward": [1.0], "backward": [1.0], "step": [0.0]})
+    assert limited.wall_time >= tl_free.wall_time - 1e-9
 
 
 # -- cores shared at a calibrated rate; exposed and overlapped transfers -------------------
@@ -245,50 +190,6 @@ def test_compare_with_a_table_cuts_the_real_blocks_on_the_same_ipus():
     assert four["1f1b"].available and four["1f1b"].ipus == 4
     # the first stage on its own (one IPU) has no input gradient to compute
     assert two["zbv"].timeline.meta["calibrated"]
-
-
-def test_model_like_replays_a_one_worker_call_as_the_sum_of_its_own_passes():
-    """A sharded call modeled like itself plays its median passes on one lane: its set-up,
-    every micro-batch's forward and backward of every stage, one step per iteration (the
-    timeline draws it on every stage's IPU; the host runs it once), then its gathering."""
-    import math
-    import statistics
-
-    import torch
-
-    from ipukit.timeline.simulate import host_spans
-
-    torch.manual_seed(0)
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
-
-        def forward(self, x, y):
-            with ipukit.Block("a"):
-                x = torch.relu(self.a(x))
-            with ipukit.Block("b"):
-                loss = ((self.b(x) - y) ** 2).mean()
-            return x, loss
-
-    net = Net()
-    opts = ipukit.Options().deviceIterations(2)
-    opts.Training.gradientAccumulation(3)
-    opts.setExecutionStrategy(ipukit.ShardedExecution(ipukit.Stage("a").ipu(0),
-                                                      ipukit.Stage("b").ipu(1)))
-    model = ipukit.trainingModel(net, opts, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
-    try:
-        model(torch.randn(24, 8), torch.randn(24, 1))
-        tl = model.getTimeline()
-    finally:
-        model.destroy()
-    c = tl.stage_costs(statistics.median)
-    before, after = host_spans(tl)
-    step = statistics.median(e.duration for e in tl.events if e.kind == "step")
-    expected = before + 2 * (3 * (sum(c["forward"]) + sum(c["backward"])) + step) + after
-    assert math.isclose(ipukit.model_like(tl).wall_time, expected, rel_tol=1e-9,
-                        abs_tol=1e-12)
 
 
 @pytest.mark.parametrize("kind,N,P", SPLIT_CASES)
