@@ -1,48 +1,21 @@
 """Measured memory per virtual IPU, during the real call.
 
-The modeled report (:mod:`ipukit.viz.memory`) multiplies one micro-batch's saved
-tensors by the micro-batches a schedule keeps in flight. This module measures
-instead: while a call runs, each worker thread (one per virtual IPU and replica)
-runs inside a :class:`torch.utils._python_dispatch.TorchDispatchMode` (thread-local,
-so each worker's mode sees exactly that worker's operations, forward and backward).
-Every storage an operation returns is registered once on the worker's IPU, with its
-size, and a weak reference whose callback records its release — whichever thread
-drops it (a later stage, the host's optimiser step). So a stage's bytes over time
-are really what is alive: stashed inputs and outputs, autograd's saved tensors,
-gradient accumulators, and the temporaries of each pass while they live.
+While a call runs, each worker thread (one per virtual IPU and replica) runs inside a
+thread-local ``TorchDispatchMode``: every storage an operation returns is registered once on
+the worker's IPU with its size, and a weak reference records its release, whichever thread
+drops it. So an IPU's bytes over time are what is really alive: stashes, autograd's saved
+tensors, gradient accumulators and each pass's temporaries. A storage another IPU allocated
+counts here too while a tensor this IPU's operations returned on it lives (each IPU holds its
+own copy, as separate devices would). The call's inputs are the host's: a micro-batch counts
+only while autograd saves it. Parameters, buffers and optimiser state make the baseline. A
+sharded call runs every IPU on one thread: one track (``ipu`` -1).
 
-A storage another IPU allocated counts on this IPU too once an operation here
-returns it (a received activation's ``detach``), for as long as a tensor this IPU's
-operations returned on it lives: each IPU holds its own copy, as separate devices
-would. (A storage stays on its *allocating* IPU until it is freed: a gradient sent
-back counts on the sender until the receiver drops it.) The call's inputs are the
-host's: a micro-batch of them counts (its own bytes, not the whole batch's) only
-while autograd saves it for a backward (``torch.autograd.graph.saved_tensors_hooks``,
-thread-local too). Parameters, buffers and the optimiser state are registered at the
-start (the baseline), and the optimiser's new state after each step
-(:meth:`CallMemory.after_step`). A sharded call runs every IPU on one thread: one
-track (``ipu`` -1) for all of them.
-
-The tracker costs a Python call per operation (a tracked call takes markedly longer),
-so it is opt-in: inside
-``with track_memory():``, with ``IPUKIT_TRACK_MEMORY=1``, or for a model compiled with
-``Options.trackMemory(True)``, every call records it, and
-its timeline carries one :class:`~ipukit.timeline.events.MemoryTrack` per virtual
-IPU (``Timeline.memory``). On a GPU, ``torch.cuda.max_memory_allocated`` per device is
-recorded beside it (``allocator_peak``; untested here: no GPU); off GPU, the process's
-peak resident set size before and after the call (``rss_peak``, :func:`peak_rss`).
-
-With stages as processes (:mod:`ipukit.runtime.processes`), each process measures its own
-virtual IPU with the same machinery: one account (``accounts``), entered around torch's
-schedule runtime, which runs every action of the process on its main thread; the host's
-work done there mid-call (the undo copy of the weights) is left out (:func:`untracked`),
-and the optimiser step is outside, as on threads. What differs is the runtime measured,
-not the measure: torch's ``PipelineStage`` keeps a receive buffer per micro-batch for
-each tensor it receives, for the stage's life, so they are in the baseline
-(``parts["receive_buffers"]``), where on threads a received tensor counts only while it is
-used; and a sent tensor counts on its sender until the sender drops it (the receiver has
-its own copy), not until the receiver does. Process 0's timeline carries every process's
-track (:class:`~ipukit.runtime.processes.exchange.SpanGather`).
+The tracker costs a Python call per operation, so it is opt-in (``with track_memory():``,
+``IPUKIT_TRACK_MEMORY=1`` or ``Options.trackMemory(True)``); a tracked call's timeline
+carries one :class:`~ipukit.timeline.events.MemoryTrack` per virtual IPU, with the GPU
+allocator's peak or the process's peak resident set size (:func:`peak_rss`) beside it.
+With stages as processes each process measures its own virtual IPU the same way (torch's
+``PipelineStage`` receive buffers are in its baseline, ``parts["receive_buffers"]``).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ threads, and ipukit accumulates per replica and stage.
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge

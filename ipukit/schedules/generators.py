@@ -1,42 +1,23 @@
 """The modern pipeline schedules, generated as data: one function per kind.
 
-Each generator returns, for one iteration (an accumulation window of ``M``
-micro-batches), the ordered actions of every virtual IPU — the lanes of a
-:class:`~ipukit.schedules.Schedule`, in torch.distributed.pipelining's notation.
-:func:`ipukit.schedules.build` repeats them over device iterations, adds the
-optimiser steps and validates the result, so every schedule here is proven
-deadlock-free before anything runs it.
+Each generator returns the lanes of one iteration (``M`` micro-batches) of a
+:class:`~ipukit.schedules.Schedule`, in torch.distributed.pipelining's notation;
+:func:`ipukit.schedules.build` repeats them, adds the optimiser steps and validates the
+result, so every schedule is proven deadlock-free before anything runs it.
 
-=====================  ======================  ==========================================
-kind                   ``pipelineSchedule``    what it does
-=====================  ======================  ==========================================
-``interleaved-1f1b``   ``"Interleaved1F1B"``   Megatron's virtual stages: each IPU holds v
-                                               stages placed in a loop (stage s on IPU
-                                               s mod P); warm-up, then one forward and one
-                                               backward, micro-batches in rounds of P
-``looped-bfs``         ``"LoopedBFS"``         the same loop placement, breadth first: all
-                                               forwards of an IPU's first stage, then its
-                                               next stage..., backwards in reverse
-``zb-h1``              ``"ZBH1"``              1F1B with each backward split into an
-                                               input-gradient (``I``) and a weight-gradient
-                                               (``W``) action; IPU r defers r W's into the
-                                               drain, where 1F1B left the bubble
-``zbv``                ``"ZBV"``               two stages per IPU placed in a V (IPU i holds
-                                               stages i and 2P−1−i), I/W split, W's fill
-                                               the bubble (zero bubble when F = I = W)
-``dualpipev``          ``"DualPipeV"``         DeepSeek's DualPipe cut to a V: the same
-                                               placement, forwards of one stage paired with
-                                               backwards of the other, W's deferred at the
-                                               end
-=====================  ======================  ==========================================
+* ``interleaved-1f1b`` (``"Interleaved1F1B"``): v stages per IPU placed in a loop (stage s
+  on IPU s mod P), one forward and one backward after the warm-up, in rounds of P;
+* ``looped-bfs`` (``"LoopedBFS"``): the same placement, breadth first;
+* ``zb-h1`` (``"ZBH1"``): 1F1B with each backward split into ``I`` and ``W``; IPU r defers
+  r W's into the drain;
+* ``zbv`` (``"ZBV"``): two stages per IPU in a V (IPU i holds stages i and 2P−1−i), W's
+  fill the bubble;
+* ``dualpipev`` (``"DualPipeV"``): DeepSeek's DualPipe cut to a V, forwards of one stage
+  paired with backwards of the other.
 
-The orders follow the published constructions (Narayanan et al. 2021; Lamy-
-Poirier 2022; Qi et al. 2023, sections 3 and 6; DeepSeek-V3's report, 2024) and
-torch's classes of the same names; ``tests/test_schedules.py`` compares every
-one with torch's own action lists. Differences: torch pads its lists with
-empty slots and ``OVERLAP_F_B`` pairs, ipukit writes the pair's forward then
-its backward (a worker runs them one after the other; the overlap DualPipe
-wins hides communication, which threads in one process do not have).
+The orders follow the published constructions and torch's classes of the same names
+(``tests/test_schedules.py`` compares them with torch's action lists); ipukit writes
+torch's ``OVERLAP_F_B`` pair as the forward, then the backward.
 """
 from __future__ import annotations
 

@@ -1,29 +1,18 @@
 """A machine's cost table, and a call modeled from it (pure data: nothing is run here).
 
-:func:`ipukit.calibrate` measures the table on the learner's machine, each part alone;
-:func:`model_call` turns it into the modeled timeline of any schedule over any split of
-the blocks. It is the one way to model a call from measured costs; :func:`ipukit.simulate`
-is the same walk with costs you give.
+:func:`ipukit.calibrate` measures the table, each part alone; :func:`model_call` turns it
+into the modeled timeline of any schedule over any split of the blocks. It is the one way
+to model a call from measured costs; :func:`ipukit.simulate` is the same walk with costs you
+give.
 
-Fidelity — a simple model, stated as such. It includes:
-
-- every pass at its blocks' calibrated cost (forward, backward, or a split backward's
-  ``I`` and ``W``) plus ``per_pass``, the fixed cost of running one action;
-- a hand-off (``handoff``) wherever an activation or gradient crosses to another worker;
-- at most ``cores`` passes at once: on a CPU with fewer cores than workers a ready pass
-  waits for a free core (:func:`ipukit.schedules.ir.walk`);
-- one optimiser step per iteration (``step``) and the host's work around the call
-  (``host_before``, ``host_after``).
-
-Every pass, sharded or pipelined, is modeled from the same column: the blocks timed on
-one worker thread with ``threads`` intra-op threads. A call whose workers use other thread
-counts (a one-worker call keeps the caller's) runs at other speeds.
-
-It leaves out: contention beyond the core count (the interpreter lock, memory bandwidth,
-which worker the operating system runs when), a pass that runs slower after its worker
-waited or on data made on another core, and caches cooled by activations held across
-micro-batches. So on a CPU a pipelined call usually takes longer than modeled, and a
-modeled figure says so in its notes. What the calibration could not settle is listed in
+Fidelity: a simple model. It includes every pass at its blocks' calibrated cost plus
+``per_pass``; a ``handoff`` wherever a tensor crosses to another worker; at most ``cores``
+passes at once (:func:`ipukit.schedules.ir.walk`); one optimiser ``step`` per iteration and
+the host's work around the call. Sharded and pipelined passes come from the same column
+(one worker thread with ``threads`` intra-op threads). It leaves out contention beyond the
+core count (the interpreter lock, memory bandwidth, scheduling), slower passes after a wait
+or on data from another core, and cooled caches: on a CPU a pipelined call usually takes
+longer than modeled, and its figures say so. What the calibration could not settle is in
 ``uncertain`` and said under every figure drawn from the table.
 """
 from __future__ import annotations

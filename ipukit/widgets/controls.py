@@ -1,10 +1,8 @@
 """The explorer's controls: the widgets a reader moves, and the :class:`Config` they describe.
 
-:class:`Controls` builds the sliders, drop-downs and toggles, shows the stage
-control that fits the chosen model (a stage split for the convnet, an
-IPUConfig's ``layers_per_ipu`` for the ViT), and turns the current values into
-a :class:`~ipukit.widgets.logic.Config`. It calls one function when any value
-changes and knows nothing of figures or training.
+:class:`Controls` shows the stage control that fits the chosen model (a stage split for
+the convnet, an IPUConfig's ``layers_per_ipu`` for the ViT) and turns the values into a
+:class:`~ipukit.widgets.logic.Config`; it knows nothing of figures or training.
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ _STYLE = {"description_width": "150px"}
 
 
 def _wide() -> W.Layout:
-    """A layout of its own per control (a shared one would hide them all at once)."""
-    return W.Layout(width="420px")
+    return W.Layout(width="420px")     # one per control: a shared one hides them all at once
 
 
 def _layers_text(layers) -> str:
@@ -35,9 +32,8 @@ def _layers_text(layers) -> str:
 class Controls:
     """Every control of the explorer, as attributes named like :class:`Config`'s fields.
 
-    ``models`` maps a name to a model spec (see :mod:`ipukit.widgets.models`);
-    ``config`` holds the starting values; ``on_change(change)`` is called after
-    every change made in the browser or from code (not inside :meth:`suspended`).
+    ``models`` maps a name to a model spec; ``config`` holds the starting values;
+    ``on_change(change)`` is called after every change (not inside :meth:`suspended`).
     """
 
     def __init__(self, models: Dict[str, Any], config: Config,
@@ -45,18 +41,21 @@ class Controls:
         self.models = models
         self.learning_rate = config.learning_rate
         self.splits = logic.contiguous_splits(config.blocks)
-        slider = dict(continuous_update=False, style=_STYLE)
-        self.model = W.Dropdown(options=list(models), value=config.model, description="model",
-                                style=_STYLE, layout=_wide(), disabled=len(models) < 2)
-        self.device_iterations = W.IntSlider(value=config.device_iterations, min=1, max=64,
-                                             description="device iterations", layout=_wide(), **slider)
-        self.gradient_accumulation = W.IntSlider(value=config.gradient_accumulation, min=1,
-                                                 max=64, description="gradient accumulation",
-                                                 layout=_wide(), **slider)
-        self.micro_batch_size = W.IntSlider(value=config.micro_batch_size, min=1, max=128,
-                                            description="micro-batch size", layout=_wide(), **slider)
-        self.split = W.Dropdown(options=list(self.splits), value=config.split,
-                                description="stage split", style=_STYLE, layout=_wide())
+
+        def slider(name, maximum, description):
+            return W.IntSlider(value=getattr(config, name), min=1, max=maximum,
+                               description=description, layout=_wide(), continuous_update=False,
+                               style=_STYLE)
+
+        def dropdown(options, value, description, **kw):
+            return W.Dropdown(options=list(options), value=value, description=description,
+                              style=_STYLE, layout=_wide(), **kw)
+
+        self.model = dropdown(models, config.model, "model", disabled=len(models) < 2)
+        self.device_iterations = slider("device_iterations", 64, "device iterations")
+        self.gradient_accumulation = slider("gradient_accumulation", 64, "gradient accumulation")
+        self.micro_batch_size = slider("micro_batch_size", 128, "micro-batch size")
+        self.split = dropdown(self.splits, config.split, "stage split")
         model = models[config.model]
         self.layers_per_ipu = W.Combobox(
             value=_layers_text(config.layers_per_ipu or model.default_layers),
@@ -66,45 +65,32 @@ class Controls:
         self.execution = W.ToggleButtons(options=list(logic.EXECUTIONS),
                                          value="sharded" if config.sharded else "pipelined",
                                          description="execution", style=_STYLE)
-        self.schedule = W.Dropdown(options=list(logic.SCHEDULES), value=config.schedule,
-                                   description="schedule", style=_STYLE, layout=_wide())
-        self.output_mode = W.Dropdown(options=list(logic.OUTPUT_MODES), value=config.output_mode,
-                                      description="output mode", style=_STYLE, layout=_wide())
-        self.output_return_period = W.IntSlider(value=config.output_return_period, min=1,
-                                                max=16, description="EveryN period", layout=_wide(),
-                                                **slider)
+        self.schedule = dropdown(logic.SCHEDULES, config.schedule, "schedule")
+        self.output_mode = dropdown(logic.OUTPUT_MODES, config.output_mode, "output mode")
+        self.output_return_period = slider("output_return_period", 16, "EveryN period")
         self.offload = W.Checkbox(value=config.offload_optimizer,
                                   description="offload optimiser state", indent=False)
-        self.widgets: List[W.Widget] = [
-            self.model, self.device_iterations, self.gradient_accumulation,
-            self.micro_batch_size, self.split, self.layers_per_ipu, self.execution,
-            self.schedule, self.output_mode, self.output_return_period, self.offload]
+        left = [self.model, self.device_iterations, self.gradient_accumulation,
+                self.micro_batch_size, self.split, self.layers_per_ipu, self.output_mode,
+                self.output_return_period]
+        self.widgets: List[W.Widget] = left[:6] + [self.execution, self.schedule] + left[6:] + [
+            self.offload]
         self._suspend = False
         self._on_change = on_change
         for w in self.widgets:
             w.observe(self._changed, names="value")
-        self.box = W.HBox([
-            W.VBox([self.model, self.device_iterations, self.gradient_accumulation,
-                    self.micro_batch_size, self.split, self.layers_per_ipu, self.output_mode,
-                    self.output_return_period]),
-            W.VBox([self.execution, self.schedule, self.offload])])
+        self.box = W.HBox([W.VBox(left), W.VBox([self.execution, self.schedule, self.offload])])
         self.show_model(model)
 
-    # -- values ------------------------------------------------------------------------
     @property
     def current_model(self):
         return self.models[self.model.value]
 
     @property
     def config(self) -> Config:
-        """The :class:`Config` the controls describe.
-
-        For a model placed by ``layers_per_ipu``, the split is where the model's
-        ``parallelize`` put its blocks; a text that does not parse, or counts that
-        do not fit the model, raise :class:`ipukit.Error` with the reason. The
-        stages go on the IPUs the schedule wants (:func:`~ipukit.widgets.logic.placed`:
-        a ``ValueError`` when they cannot, e.g. an odd number of stages for ZBV).
-        """
+        """The :class:`Config` the controls describe: :class:`ipukit.Error` for a
+        ``layers_per_ipu`` that does not parse or fit, a ``ValueError`` for stages the schedule
+        cannot place (:func:`~ipukit.widgets.logic.placed`)."""
         model = self.current_model
         values = dict(device_iterations=self.device_iterations.value,
                       gradient_accumulation=self.gradient_accumulation.value,
@@ -151,7 +137,6 @@ class Controls:
         if not self._suspend:
             self._on_change(change)
 
-    # -- what is shown -----------------------------------------------------------------
     def show_model(self, model) -> None:
         """Show the stage control of ``model``: a split, or ``layers_per_ipu``."""
         if not model.layered:

@@ -1,9 +1,6 @@
-"""The explorer's page: its figures, text boxes and buttons, and how they are laid out.
+"""The explorer's page: figures, text boxes and buttons, drawn with :mod:`ipukit.viz.plots`.
 
-:class:`Dashboard` owns every ``go.FigureWidget`` and HTML box and draws into
-them what it is given — a modeled view, a measured call, an error — with
-:mod:`ipukit.viz.plots`. It computes nothing itself and starts nothing: the
-buttons are wired by the explorer.
+:class:`Dashboard` computes and starts nothing: the explorer wires its buttons.
 """
 from __future__ import annotations
 
@@ -24,11 +21,8 @@ FULL_WIDTH, PART_WIDTH = 1000, 500
 
 
 def update_figure(widget: go.FigureWidget, figure: go.Figure) -> None:
-    """Replace a FigureWidget's traces and layout with those of ``figure``, in one update.
-
-    The widget keeps its own width and height: plotly's front end does not size a
-    FigureWidget to its box (it falls back to 700 px), so the explorer sets sizes.
-    """
+    """Replace a FigureWidget's traces and layout with ``figure``'s in one update, keeping
+    the widget's own width and height (plotly's front end does not size it to its box)."""
     width, height = widget.layout.width, widget.layout.height
     with widget.batch_update():
         widget.data = []
@@ -36,10 +30,6 @@ def update_figure(widget: go.FigureWidget, figure: go.Figure) -> None:
         widget.layout = figure.layout
         widget.layout.width = width
         widget.layout.height = height
-
-
-def _figure(height: int, width: int) -> go.FigureWidget:
-    return go.FigureWidget(layout=dict(height=height, width=width, template="plotly_white"))
 
 
 class Dashboard:
@@ -63,10 +53,11 @@ class Dashboard:
                  "memory": (360, part), "measured timeline": (300, full),
                  "measured utilisation": (320, part), "training": (320, part)}
         #: every figure by name; the boxes hold them (redraw() puts fresh ones in)
-        self.figures: Dict[str, go.FigureWidget] = {n: _figure(*hw) for n, hw in sizes.items()}
+        self.figures: Dict[str, go.FigureWidget] = {
+            n: go.FigureWidget(layout=dict(height=h, width=w, template="plotly_white"))
+            for n, (h, w) in sizes.items()}
         self._boxes = {n: W.Box([self.figures[n]], layout=W.Layout(width=f"{w + 10}px"))
                        for n, (_, w) in sizes.items()}
-        self._measured: Dict[str, go.Figure] = {}
         self._modeled: Dict[str, go.Figure] = {}
         box = self._boxes
         self.modeled_box = W.VBox([
@@ -82,7 +73,6 @@ class Dashboard:
         self.widget = W.VBox([controls, self.error, self.modeled_box, self.measured_box])
         self.clear_measured()
 
-    # -- drawing -----------------------------------------------------------------------
     def _draw(self, figures: Mapping[str, go.Figure], into: Dict[str, go.Figure]) -> None:
         for name, figure in figures.items():
             into[name] = figure
@@ -90,8 +80,8 @@ class Dashboard:
 
     def show_modeled(self, view: logic.ModeledView, probe: Optional[logic.ProbeResult],
                      rows: Sequence[ScheduleRow] = ()) -> None:
-        """Draw a modeled view and every schedule's ``rows`` beside it; ``probe`` (ipukit's
-        verdict) adds the memory figure and the rejection note (None: not known yet)."""
+        """Draw a modeled view and every schedule's ``rows``; ``probe`` (ipukit's verdict, None
+        while unknown) adds the memory figure and the rejection note."""
         rejected = probe is not None and probe.error
         title = view.title + (" — PopTorch rejects this configuration" if rejected else "")
         if view.drawn_note:
@@ -111,8 +101,7 @@ class Dashboard:
         self.summary.value = logic.format_summary(view)
 
     def show_measured(self, timeline, history: List[dict], call: int, modeled=None) -> None:
-        """Draw the latest measured call (over ``modeled``, the same call modeled from the
-        modeled view's cost table, when given) and the training curves."""
+        """Draw the latest measured call (over ``modeled``, when given) and the training curves."""
         drawn, note = logic.clip_for_drawing(timeline)
         title = f"Latest call (call {call})" + (f" ({note})" if note else "")
         if modeled is None:
@@ -129,7 +118,7 @@ class Dashboard:
             "measured timeline": figure}, self._measured)
 
     def clear_measured(self) -> None:
-        """Empty measured figures and training curves, as before any run (or after a new model)."""
+        """Empty measured figures and training curves, as before any run."""
         self._measured = {}
         empty = {name: go.Figure(layout=dict(template="plotly_white",
                                               title=f"{name.capitalize()}: press Run to train"))
@@ -138,12 +127,11 @@ class Dashboard:
 
     def show_error(self, message: Optional[str], failed: bool = False) -> None:
         """The error box: ipukit's verdict, or a run that failed."""
-        heading = "The run failed:" if failed else "PopTorch would reject this:"
-        self.error.value = logic.error_html(message, heading=heading)
+        self.error.value = logic.error_html(
+            message, heading="The run failed:" if failed else "PopTorch would reject this:")
 
     def set_running(self, running: bool) -> None:
-        self.run_button.disabled = running
-        self.reset_button.disabled = running
+        self.run_button.disabled = self.reset_button.disabled = running
         self.stop_button.disabled = not running
 
     # the figures by their attribute names
@@ -157,12 +145,9 @@ class Dashboard:
     def redraw(self) -> None:
         """Show every figure again, each in a fresh FigureWidget that carries it whole.
 
-        plotly's FigureWidget sends changes as deltas (delete these traces, add
-        those), and the browser applies them only once the widget's JavaScript
-        has loaded: a delta sent before that is lost, and every later one then
-        fails against traces the view does not have (a blank figure). A new widget's first state is the whole
-        figure, so the browser draws what the kernel holds. Call it from the
-        kernel's main thread (widgets are created here).
+        A FigureWidget sends deltas, which a browser loses until the widget's JavaScript has
+        loaded (a blank figure); a new widget's first state is the whole figure. Call it from
+        the kernel's main thread.
         """
         for name, old in list(self.figures.items()):
             figure = self._modeled.get(name) or self._measured.get(name)

@@ -1,22 +1,12 @@
 """``PipelineExplorer``: the ipywidgets dashboard over :mod:`ipukit.widgets.logic`.
 
-The explorer puts four parts together, each in its own module:
-
-* :class:`~ipukit.widgets.controls.Controls` — the controls and the
-  :class:`~ipukit.widgets.logic.Config` they describe (model, batching, the
-  stage split or, for the ViT, ``layers_per_ipu``, schedule, output mode);
-* :class:`~ipukit.widgets.dashboard.Dashboard` — the figures, text and buttons;
-* :class:`~ipukit.widgets.modeler.Modeler` — the modeled call, from the cost
-  table calibrated on this machine, and ipukit's verdict on the configuration (compiled in the background
-  by a :class:`~ipukit.widgets.prober.Prober`) with the memory it needs;
-* :class:`~ipukit.widgets.runner.Runner` — Run, Stop and New model: real
-  training on a background thread;
-* :class:`~ipukit.widgets.suggester.Suggester` — a memory budget and Suggest:
-  :func:`ipukit.plan` for the current model, IPUs and global batch, applied to the controls.
-
-A control change models the call at once (:func:`~ipukit.widgets.logic.modeled_view`)
-and asks for the verdict. Every control, figure and button is an
-attribute of the explorer, so notebooks and tests drive it from code::
+Its parts: :class:`~ipukit.widgets.controls.Controls` (the controls and their
+:class:`~ipukit.widgets.logic.Config`), :class:`~ipukit.widgets.dashboard.Dashboard`
+(figures, text, buttons), :class:`~ipukit.widgets.modeler.Modeler` (the modeled call and
+ipukit's verdict), :class:`~ipukit.widgets.runner.Runner` (Run, Stop, New model) and
+:class:`~ipukit.widgets.suggester.Suggester` (Suggest: :func:`ipukit.plan`). A control
+change models the call at once and asks for the verdict. Every control, figure and
+button is an attribute of the explorer, so code drives it::
 
     explorer = PipelineExplorer([mnist.explorer_model(), vit.explorer_model()])  # ipukit.examples'
     explorer.gradient_accumulation.value = 32
@@ -47,15 +37,11 @@ from .suggester import Suggester
 class PipelineExplorer:
     """A dashboard to explore a pipelined model: modeled instantly, measured on demand.
 
-    ``models`` are the model specs the model control offers, the first shown first:
-    objects with the attributes of :class:`ipukit.examples.spec.ModelSpec`, e.g.
-    ``[ipukit.examples.mnist.explorer_model(), ipukit.examples.vit.explorer_model()]``
-    (a model of your own: ``ModelSpec(name, blocks, factory, wrap)``). Each model's
-    cost table is calibrated on this machine when first shown (:func:`ipukit.calibrate`).
-    ``train_dataset``/``test_dataset`` default to real MNIST, loaded on the first run
+    ``models`` are model specs (:class:`ipukit.examples.spec.ModelSpec`, e.g.
+    ``ipukit.examples.mnist.explorer_model()``), the first shown first; each one's costs
+    are calibrated on this machine when first shown. The datasets default to real MNIST
     (``train_limit``/``test_limit`` keep the first samples); ``sample_shape`` is one
-    input's shape, to compile without data. ``config`` holds the starting control
-    values, ``calls`` the host calls per Run.
+    input's shape, ``config`` the starting control values, ``calls`` the calls per Run.
     """
 
     def __init__(self, models: Sequence[Any], train_dataset=None, test_dataset=None, *,
@@ -70,22 +56,22 @@ class PipelineExplorer:
         self.data = ExplorerData(train_dataset, test_dataset, train_limit, test_limit,
                                  sample_shape, evaluate)
         self._lock = threading.RLock()
-        self.controls = Controls(self.models, self.config0, self._on_change)
+        self.controls = Controls(self.models, self.config0, lambda change: self.set())
         self.suggester = Suggester(self.models, lambda: self.controls.config,
                                    lambda c: self.modeler.costs_for(c), self.set)
         self.dashboard = Dashboard(self.suggester.under(self.controls.box), calls)
         self.widget = self.dashboard.widget
         self.modeler = Modeler(self.models, self.dashboard, self.data, self._lock, self.config0,
                                self._show_error)
-        self.runner = Runner(self.dashboard, self.models, self.data, self._lock, self._measured,
-                             self._show_error, self.modeler.costs_for, evaluate, test_limit)
+        self.runner = Runner(self.dashboard, self.models, self.data, self._lock,
+                             lambda config, record: self.refresh(), self._show_error,
+                             self.modeler.costs_for, evaluate, test_limit)
         self.dashboard.run_button.on_click(lambda _: self.start())
         self.dashboard.stop_button.on_click(lambda _: self.stop())
         self.dashboard.reset_button.on_click(lambda _: self.reset())
         self.refresh()
 
-    # -- the parts' public attributes are the explorer's (controls, figures, buttons,
-    #    modeled_utilisation, history, measured_utilisation, running, stop, wait, ...) ----
+    # -- the parts' public attributes are the explorer's ---------------------------------
     def __getattr__(self, name: str):
         for part in ("controls", "dashboard", "modeler", "runner", "data", "suggester"):
             holder = self.__dict__.get(part)
@@ -103,7 +89,7 @@ class PipelineExplorer:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def display(self):
-        """Show the dashboard (the explorer also displays itself as a cell's last value)."""
+        """Show the dashboard."""
         from IPython.display import display
 
         display(self.widget)
@@ -111,32 +97,19 @@ class PipelineExplorer:
     # -- the configuration -------------------------------------------------------------
     @property
     def config(self) -> Config:
-        """The :class:`Config` the controls currently describe (raises ipukit.Error when
-        ``layers_per_ipu`` does not fit the model)."""
+        """The :class:`Config` of the controls (ipukit.Error when ``layers_per_ipu`` does not fit)."""
         return self.controls.config
 
-    @property
-    def model(self):
-        """The model control (``explorer.model.value``: ``"convnet"`` or ``"ViT"``)."""
-        return self.controls.model
-
     def set(self, **values) -> None:
-        """Set several controls at once, refreshing once: ``explorer.set(gradient_accumulation=16)``.
-
-        Names are the control attributes; ``sharded=True`` sets the execution,
-        ``layers_per_ipu`` takes a list or a text.
-        """
+        """Set several controls, refreshing once: ``explorer.set(gradient_accumulation=16)``
+        (``sharded=True`` sets the execution, ``layers_per_ipu`` takes a list or a text)."""
         self.controls.set(**values)
         self.runner.run_error = None
         self.refresh()
 
-    def _on_change(self, change) -> None:
-        self.runner.run_error = None        # it was about the previous settings
-        self.refresh()
-
     # -- the modeled view --------------------------------------------------------------
     def refresh(self) -> None:
-        """Model the current controls at once; ipukit's verdict follows (see :meth:`wait_for_verdict`)."""
+        """Model the current controls at once; ipukit's verdict follows."""
         try:
             config = self.controls.config
         except (Error, ValueError) as exc:
@@ -152,22 +125,15 @@ class PipelineExplorer:
         self.modeler.show(config)
         self._show_error()
 
-    def wait_for_verdict(self, timeout: Optional[float] = 120.0) -> Optional[logic.ProbeResult]:
-        """Block until ipukit's verdict on the current controls is shown; returns it."""
-        return self.modeler.wait_for_verdict(timeout)
-
     def _show_error(self) -> None:
-        runner = self.runner
-        if runner.run_error and runner.failed:
-            self.dashboard.show_error(runner.run_error, failed=True)
-        else:
-            self.dashboard.show_error(runner.run_error or self.modeler.config_error)
+        r = self.runner
+        self.dashboard.show_error(r.run_error or self.modeler.config_error,
+                                  failed=bool(r.run_error and r.failed))
 
     # -- read-back ---------------------------------------------------------------------
     @property
     def last_error(self) -> Optional[str]:
-        """The message shown in the error box (None when there is none); waits for the
-        verdict on the current controls."""
+        """The error box's message (None: none); waits for the verdict."""
         if self.runner.run_error:
             return self.runner.run_error
         self.wait_for_verdict()
@@ -184,20 +150,11 @@ class PipelineExplorer:
         return self.modeler.view
 
     @property
-    def costs(self) -> logic.CostTable:
-        """The cost table the modeled view uses: the current model's, calibrated on this
-        machine at the current micro-batch size (a Run does not change it)."""
-        return self.modeler.costs
-
-    @property
     def session(self) -> TrainingSession:
-        """The training session of the current model."""
+        """The current model's training session."""
         return self.runner.session_for(self.controls.model.value)
 
     # -- running -----------------------------------------------------------------------
-    def _measured(self, config: Config, record: Dict[str, Any]) -> None:
-        self.refresh()          # the modeled view keeps its calibrated costs
-
     def reset(self) -> None:
         """Forget the training of the current model: fresh weights, empty curves."""
         if self.running:
@@ -217,12 +174,8 @@ class PipelineExplorer:
         self.runner.start(config, calls or self.dashboard.calls.value)
 
     def run(self, calls: Optional[int] = None) -> List[Dict[str, Any]]:
-        """Train for ``calls`` host calls and return when done, with the new history records.
-
-        The training runs on the thread the Run button starts; this call waits
-        for it (interrupting the kernel stops the run after the current call).
-        Errors are shown in the dashboard (and in :attr:`last_error`), not raised.
-        """
+        """Train for ``calls`` host calls on the Run thread and wait; returns the new history
+        records. Errors are shown (and in :attr:`last_error`), not raised."""
         if self.running:
             raise RuntimeError("a run is already in progress: call stop() first")
         before = len(self.runner.history)
@@ -231,11 +184,8 @@ class PipelineExplorer:
         return self.runner.history[before:]
 
     def redraw(self) -> None:
-        """Send every figure to the front end again, after ipukit's verdict is in.
-
-        For a notebook that drives the dashboard from code right after displaying it:
-        a FigureWidget view still being created in the browser can miss updates.
-        """
+        """Send every figure to the front end again, after ipukit's verdict (a FigureWidget
+        view still being created in the browser can miss updates)."""
         self.wait_for_verdict()
         self.refresh()
         self.dashboard.redraw()

@@ -1,23 +1,11 @@
-"""The explorer's pure logic: control values in, ipukit objects and figure data out.
+"""The explorer's pure logic (no ipywidgets): control values in, ipukit objects and figure data out.
 
-Nothing here touches ipywidgets, so every function can be tested without a
-browser. The flow the dashboard follows:
-
-* a :class:`Config` holds the control values (the model, device iterations,
-  gradient accumulation, micro-batch size, stage split — or, for the ViT, an
-  IPUConfig's ``layers_per_ipu`` — output mode, pipelined or sharded, the
-  schedule, optimiser offload);
-* :func:`training_options` and :func:`strategy_for` turn it into the
-  :class:`ipukit.Options` a real run uses;
-* :func:`calibrated_costs` measures a model's :class:`CostTable` on this machine
-  with :func:`ipukit.calibrate` (once per model and micro-batch size: it is cached
-  per process), and :func:`modeled_view` times one host call from it with
-  :func:`ipukit.timeline.costs.model_call`, returning the numbers and figures of
-  the *modeled* view;
-* :func:`probe` compiles the configuration (no training) so that ipukit
-  itself says whether PopTorch would accept it, and what memory each stage needs;
-* :func:`call_metrics` reads a training call's outputs the way the output
-  mode returned them (which micro-batches the predictions belong to).
+A :class:`Config` holds the control values; :func:`training_options` and
+:func:`strategy_for` turn it into :class:`ipukit.Options`; :func:`calibrated_costs`
+measures a model's :class:`CostTable` with :func:`ipukit.calibrate` (cached per
+process) and :func:`modeled_view` models one host call from it; :func:`probe`
+compiles a configuration (no training) so that ipukit says whether PopTorch would
+accept it; :func:`call_metrics` reads a training call's outputs.
 """
 from __future__ import annotations
 
@@ -32,9 +20,8 @@ from ..core.batching import returned_steps
 from ..core.enums import AutoStage, OutputMode
 from ..core.errors import Error
 from ..core.options import Options, TensorLocationSettings
-from ..schedules.registry import SCHEDULE_TITLES, kind_of
+from ..schedules.registry import LOOPED, SCHEDULE_TITLES, V_SHAPED, kind_of
 from ..schedules.generators import placement
-from ..schedules.registry import LOOPED, V_SHAPED
 from ..core.strategies import PipelinedExecution, ShardedExecution, Stage
 from ..timeline.costs import CostTable, model_call
 from ..timeline.events import Timeline
@@ -55,30 +42,16 @@ MAX_DRAWN_EVENTS = 2500
 
 def split_label(blocks: Sequence[str], split: Sequence[int]) -> str:
     """``("B1".."B4"), (0, 0, 1, 1)`` → ``"B1 B2 | B3 B4"``."""
-    groups: List[List[str]] = []
-    previous = None
-    for block, ipu in zip(blocks, split):
-        if ipu != previous:
-            groups.append([])
-            previous = ipu
-        groups[-1].append(block)
-    return " | ".join(" ".join(g) for g in groups)
+    return " | ".join(" ".join(b for b, _ in g)
+                      for _, g in itertools.groupby(zip(blocks, split), key=lambda bi: bi[1]))
 
 
 def contiguous_splits(blocks: Sequence[str] = DEFAULT_BLOCKS) -> "OrderedDict[str, Tuple[int, ...]]":
-    """Every way to cut the blocks into consecutive stages, most stages first.
-
-    Keys are labels such as ``"B1 B2 | B3 B4"``, values the IPU of each block
-    (``(0, 0, 1, 1)``), as :func:`ipukit.examples.mnist.strategy` takes them.
-    """
+    """Every way to cut the blocks into consecutive stages, most stages first:
+    ``{"B1 B2 | B3 B4": (0, 0, 1, 1), ...}`` (the IPU of each block)."""
     n = len(blocks)
-    splits = []
-    for cuts in itertools.product((1, 0), repeat=max(0, n - 1)):
-        ids, ipu = [0], 0
-        for cut in cuts:
-            ipu += cut
-            ids.append(ipu)
-        splits.append(tuple(ids[:n]))
+    splits = [tuple(itertools.accumulate((0,) + cuts))[:n]
+              for cuts in itertools.product((1, 0), repeat=max(0, n - 1))]
     splits.sort(key=lambda s: (-(s[-1] + 1 if s else 0), s))
     return OrderedDict((split_label(blocks, s), s) for s in splits)
 
@@ -86,8 +59,7 @@ def contiguous_splits(blocks: Sequence[str] = DEFAULT_BLOCKS) -> "OrderedDict[st
 def parse_split(label: str, blocks: Sequence[str] = DEFAULT_BLOCKS) -> Tuple[int, ...]:
     """``"B1 B2 | B3 B4"`` → ``(0, 0, 1, 1)``; the blocks must appear in order, each once."""
     groups = [g.split() for g in label.split("|")]
-    named = [b for g in groups for b in g]
-    if named != list(blocks) or any(not g for g in groups):
+    if [b for g in groups for b in g] != list(blocks) or any(not g for g in groups):
         raise ValueError(f"split {label!r}: list the blocks {list(blocks)} in order, "
                          "separating stages with '|'")
     return tuple(i for i, g in enumerate(groups) for _ in g)
@@ -114,8 +86,7 @@ class Config:
     model: str = "convnet"
     #: an IPUConfig's ``layers_per_ipu`` for a model placed by it (the ViT); () otherwise
     layers_per_ipu: Tuple[int, ...] = ()
-    #: the IPU of each stage, when it is not stage ``s`` on IPU ``s`` (an IPU given no layer,
-    #: or a schedule that loops or folds the stages)
+    #: the IPU of each stage, when it is not stage ``s`` on IPU ``s``
     ipus: Tuple[int, ...] = ()
     #: where the model itself puts its stages (``ipus`` before a schedule placed them)
     model_ipus: Tuple[int, ...] = ()
@@ -144,7 +115,6 @@ class Config:
 
     @property
     def stage_blocks(self) -> List[List[str]]:
-        """The blocks of each stage, in order."""
         out: List[List[str]] = [[] for _ in range(self.num_stages)]
         for block, ipu in zip(self.blocks, self.split_ids):
             out[ipu].append(block)
@@ -153,8 +123,7 @@ class Config:
     @property
     def combined_batch(self) -> int:
         """Samples one host call consumes: micro-batch × DI × GA × replicas."""
-        return (self.micro_batch_size * self.device_iterations * self.gradient_accumulation
-                * self.replicas)
+        return self.micro_batch_size * self.micro_batches_per_call * self.replicas
 
     @property
     def micro_batches_per_call(self) -> int:
@@ -163,8 +132,7 @@ class Config:
 
     @property
     def schedule_kind(self) -> str:
-        """The :func:`ipukit.simulate` kind the run will use: ``sharded``, or the schedule's
-        kind (``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``zbv``...)."""
+        """The :func:`ipukit.simulate` kind: ``sharded``, or the schedule's (``1f1b``, ``zbv``...)."""
         if self.sharded and self.num_stages > 1:
             return "sharded"
         return kind_of(self.schedule) or self.schedule.lower()
@@ -188,14 +156,9 @@ class Config:
 
 
 def placed(config: Config) -> Config:
-    """``config`` with its stages on the IPUs its schedule wants.
-
-    Interleaved 1F1B and looped BFS put stage ``s`` on IPU ``s mod P``, ZBV and
-    DualPipeV IPU ``i`` on stages ``i`` and ``2P − 1 − i`` (``P`` = half the
-    stages): ipukit's :func:`ipukit.schedules.placement` says where. The other
-    schedules keep one stage per IPU. Raises :class:`ipukit.schedules.ScheduleError`
-    (a ``ValueError``) when the stages do not fit, e.g. an odd number for a V.
-    """
+    """``config`` with its stages on the IPUs its schedule wants (:func:`ipukit.schedules.placement`:
+    looped schedules ``s mod P``, V shapes ``i`` and ``2P − 1 − i``; others one stage per IPU).
+    Raises :class:`ipukit.schedules.ScheduleError` (a ``ValueError``) when the stages do not fit."""
     kind = config.schedule_kind
     if kind not in LOOPED + V_SHAPED:
         return config
@@ -206,12 +169,10 @@ def example_config(model, split: Optional[str] = None,
                    layers_per_ipu: Optional[Sequence[int]] = None, **values) -> Config:
     """A :class:`Config` of ``model``, a model spec (``ipukit.examples.mnist.explorer_model()``).
 
-    A model placed by stage split takes a ``split`` label (default: one block per
-    stage); one placed by ``layers_per_ipu`` takes the counts (default: its own), and
-    its split is where the model's own ``parallelize`` puts each block. Other keywords
-    are :class:`Config` fields; the stages go on the IPUs the schedule wants
-    (:func:`placed`). Raises :class:`ipukit.Error` for counts that do not fit the model,
-    a ``ValueError`` for stages the schedule cannot place.
+    A model placed by stage split takes a ``split`` label (default: one block per stage);
+    one placed by ``layers_per_ipu`` takes the counts (default: its own). Other keywords are
+    :class:`Config` fields; the stages are :func:`placed`. Raises :class:`ipukit.Error` for
+    counts that do not fit the model, a ``ValueError`` for stages the schedule cannot place.
     """
     from .models import layered_split
 
@@ -227,11 +188,9 @@ def example_config(model, split: Optional[str] = None,
 
 
 def strategy_for(config: Config) -> PipelinedExecution:
-    """The execution strategy of ``config``: one :class:`~ipukit.Stage` per group of blocks,
-    on the IPU of :attr:`Config.stage_ipus`."""
+    """One :class:`~ipukit.Stage` per group of blocks, on the IPUs of :attr:`Config.stage_ipus`."""
     stages = [Stage(*names).ipu(ipu) for ipu, names in zip(config.stage_ipus, config.stage_blocks)]
-    cls = ShardedExecution if config.sharded else PipelinedExecution
-    return cls(*stages)
+    return (ShardedExecution if config.sharded else PipelinedExecution)(*stages)
 
 
 def ipu_config_for(config: Config):
@@ -246,9 +205,7 @@ def ipu_config_for(config: Config):
 
 def prepare_network(config: Config, network: torch.nn.Module,
                     wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
-    """The module a training model of ``config`` wraps: ``wrap(network)`` (the convnet's
-    loss), or, for a model placed by ``layers_per_ipu``, the network after its own
-    ``parallelize(ipu_config)`` (optimum-graphcore's pattern; the ViT computes its loss)."""
+    """``wrap(network)``, or for a layered model ``network.parallelize(ipu_config)``."""
     if config.layered:
         return network.parallelize(ipu_config_for(config))
     return wrap(network)
@@ -257,17 +214,15 @@ def prepare_network(config: Config, network: torch.nn.Module,
 def training_options(config: Config) -> Options:
     """The :class:`ipukit.Options` of a training run with these control values.
 
-    A model placed by ``layers_per_ipu`` starts from its IPUConfig's
-    ``to_options()`` (the stages come from the model's ``BeginBlock`` IPUs), as
-    optimum-graphcore's trainer did. Raises :class:`ipukit.Error` for values
-    ipukit's setters reject.
+    A layered model starts from its IPUConfig's ``to_options()``, as optimum-graphcore's
+    trainer did. Raises :class:`ipukit.Error` for values ipukit's setters reject.
     """
     if config.layered:
         opts = ipu_config_for(config).to_options()
         if config.sharded:
             opts.setExecutionStrategy(ShardedExecution(AutoStage.AutoIncrement))
-        elif config.schedule_kind in LOOPED + V_SHAPED:   # each layers_per_ipu entry a stage,
-            opts.setExecutionStrategy(strategy_for(config))   # on the IPUs the schedule wants
+        elif config.schedule_kind in LOOPED + V_SHAPED:   # on the IPUs the schedule wants
+            opts.setExecutionStrategy(strategy_for(config))
     else:
         opts = Options().deviceIterations(config.device_iterations)
         opts.replicationFactor(config.replicas)
@@ -275,10 +230,7 @@ def training_options(config: Config) -> Options:
         opts.setExecutionStrategy(strategy_for(config))
     opts.pipelineSchedule(config.schedule)
     mode = OutputMode[config.output_mode]
-    if mode == OutputMode.EveryN:
-        opts.outputMode(mode, config.output_return_period)
-    else:
-        opts.outputMode(mode)
+    opts.outputMode(mode, config.output_return_period if mode == OutputMode.EveryN else None)
     if config.offload_optimizer:
         opts.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))
     return opts
@@ -311,8 +263,8 @@ ORDER_HINTS = (
 
 
 def check_message(exc: BaseException) -> str:
-    """The text the dashboard shows for an error: ipukit's message, then what to change when
-    the error comes from a combination of controls (:data:`ORDER_HINTS`)."""
+    """The text the dashboard shows for an error: ipukit's message, then the first
+    :data:`ORDER_HINTS` hint that applies."""
     text = f"{type(exc).__name__}: {exc}"
     hints = [hint for marker, hint in ORDER_HINTS if marker in text]
     return " ".join([text, *hints[:1]])
@@ -323,7 +275,6 @@ def check_message(exc: BaseException) -> str:
 #: micro-batches each block is timed on when calibrating (the median is kept)
 CALIBRATION_REPEATS = 12
 
-
 _CALIBRATED: Dict[Tuple[int, int, int], Tuple[Any, CostTable]] = {}
 
 
@@ -333,11 +284,9 @@ def is_calibrated(model, micro_batch_size: int, repeats: int = CALIBRATION_REPEA
 
 
 def calibrated_costs(model, micro_batch_size: int, repeats: int = CALIBRATION_REPEATS) -> CostTable:
-    """``model``'s cost table on this machine at ``micro_batch_size``, from
-    :func:`ipukit.calibrate` (each block timed alone, the pass and hand-off costs, one
-    AdamW step); blocks the spec says are ``alike`` get their group's median. Paid once
-    per model spec and micro-batch size in a process: the same table comes back after.
-    Its ``notes["source"]`` says where it came from."""
+    """``model``'s cost table on this machine at ``micro_batch_size``, from :func:`ipukit.calibrate`;
+    blocks the spec says are ``alike`` get their group's median. Cached per model spec and
+    micro-batch size in a process; ``notes["source"]`` says where it came from."""
     import statistics
 
     from ..calibrate import calibrate
@@ -367,8 +316,7 @@ def calibrated_costs(model, micro_batch_size: int, repeats: int = CALIBRATION_RE
 
 
 def calibrated_tables(model, repeats: int = CALIBRATION_REPEATS) -> List[CostTable]:
-    """Every table :func:`calibrated_costs` holds for ``model``, smallest micro-batch first
-    (what the explorer's Suggest gives :func:`ipukit.plan` instead of calibrating again)."""
+    """Every table :func:`calibrated_costs` holds for ``model``, smallest micro-batch first."""
     tables = [t for (ident, _, r), (_, t) in _CALIBRATED.items()
               if ident == id(model) and r == int(repeats)]
     return sorted(tables, key=lambda t: t.micro_batch)
@@ -394,36 +342,29 @@ def offload_step_cost(config: Config, parameters: int) -> float:
 
 
 def modeled_timeline(config: Config, costs: CostTable, parameters: int = 0) -> Timeline:
-    """One host call of ``config``, modeled from ``costs`` with
-    :func:`ipukit.timeline.costs.model_call`, with a processor per virtual IPU (as on IPUs:
-    the passes of different IPUs never wait for a core).
-
-    The table must hold ``config``'s blocks at its micro-batch size (``ValueError``).
-    """
+    """One host call of ``config`` modeled from ``costs`` (:func:`ipukit.timeline.costs.model_call`),
+    one processor per virtual IPU. ``ValueError`` when the table is at another micro-batch size."""
     if costs.micro_batch and costs.micro_batch != config.micro_batch_size:
         raise ValueError(f"the cost table was measured at micro-batches of {costs.micro_batch}, "
                          f"the configuration has {config.micro_batch_size}: calibrate at that size")
     table = replace(costs, step=costs.step + offload_step_cost(config, parameters))
-    workers = len(config.stage_ipus) * config.replicas
     return model_call(table, config.schedule_kind, config.stage_blocks,
                       config.gradient_accumulation, iterations=config.device_iterations,
                       replicas=config.replicas, stage_ipus=list(config.stage_ipus),
-                      samples=config.combined_batch, cores=workers)
+                      samples=config.combined_batch,
+                      cores=len(config.stage_ipus) * config.replicas)
 
 
 def clip_for_drawing(timeline: Timeline, max_events: int = MAX_DRAWN_EVENTS) -> Tuple[Timeline, str]:
-    """The first device iterations of ``timeline`` that fit in ``max_events`` bars.
-
-    Returns the timeline to draw and a note ("" when nothing was left out).
-    """
+    """The first device iterations of ``timeline`` that fit in ``max_events`` bars, and a note
+    ("" when nothing was left out)."""
     if len(timeline.events) <= max_events:
         return timeline, ""
     iterations = max((e.iteration for e in timeline.events), default=0) + 1
-    per_iteration = max(1, len(timeline.events) // iterations)
-    keep = max(1, max_events // per_iteration)
+    keep = max(1, max_events // max(1, len(timeline.events) // iterations))
     kept = [e for e in timeline.events if e.iteration < keep]
-    clipped = Timeline(kept, timeline.modeled, dict(timeline.meta))
-    return clipped, f"first {keep} of {iterations} device iterations drawn"
+    return (Timeline(kept, timeline.modeled, dict(timeline.meta)),
+            f"first {keep} of {iterations} device iterations drawn")
 
 
 @dataclass
@@ -446,29 +387,15 @@ class ModeledView:
     breakdown: Dict[str, Any] = field(default_factory=dict)
 
     @property
-    def idle(self) -> float:
-        """Share of the virtual IPUs' time without a forward or backward pass (1 − overall)."""
-        return 1.0 - self.overall
-
-    @property
     def title(self) -> str:
         return f"Modeled call ({self.cost_source})"
-
-    def summary(self) -> Dict[str, Any]:
-        return {"samples/s": self.samples_per_second, "time per step (s)": self.time_per_step,
-                "call time (s)": self.wall_time, "combined batch": self.combined_batch,
-                "host calls per epoch": self.host_calls_per_epoch,
-                "utilisation": self.overall, "bubble": self.bubble,
-                "textbook bubble": self.breakdown.get("textbook_bubble", 0.0)}
 
 
 def modeled_view(config: Config, costs: CostTable, samples_per_epoch: int,
                  parameters: int = 0) -> ModeledView:
-    """Model one call of ``config``: speed first, then utilisation and where the idle time goes.
+    """Model one call of ``config``: speed, utilisation and where the idle time goes.
 
-    ``bubble`` is the pipeline's fill and drain only (see
-    :meth:`ipukit.Timeline.idle_breakdown`); host time, the optimiser step and
-    unequal stages are counted apart.
+    ``bubble`` is the pipeline's fill and drain only (:meth:`ipukit.Timeline.idle_breakdown`).
     """
     tl = modeled_timeline(config, costs, parameters)
     u = tl.utilisation()
@@ -484,11 +411,8 @@ def modeled_view(config: Config, costs: CostTable, samples_per_epoch: int,
 
 def rank_splits(config: Config, costs: CostTable, samples_per_epoch: int = 60000,
                 splits: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
-    """Every stage split of ``config``'s blocks, modeled and sorted fastest first.
-
-    Each row holds the split, ``samples_per_second``, ``time_per_step`` (s) and
-    ``utilisation``: the ranking is by speed, the utilisation explains it.
-    """
+    """Every stage split of ``config``'s blocks, modeled, fastest first (rows of ``split``,
+    ``stages``, ``samples_per_second``, ``time_per_step``, ``utilisation``, ``bubble``)."""
     rows = []
     for label in (splits or contiguous_splits(config.blocks)):
         view = modeled_view(config.with_(split=label), costs, samples_per_epoch)
@@ -529,36 +453,32 @@ def sample_batch(template: Sequence[torch.Tensor], size: int) -> List[torch.Tens
 def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Module], torch.nn.Module],
           template: Sequence[torch.Tensor],
           optimizer_factory: Optional[Callable] = None) -> ProbeResult:
-    """Compile ``config`` for ``network`` (wrapped by ``wrap``) and report, without training.
-
-    ipukit itself checks the combination: an :class:`ipukit.Error` comes back
-    as the result's ``error`` text. On success the result holds the memory
-    report of the compiled stages (:func:`ipukit.viz.memory.memory_report`).
-    """
+    """Compile ``config`` for ``network`` (wrapped by ``wrap``) without training: an
+    :class:`ipukit.Error` comes back as the result's ``error`` text, success holds the memory
+    report of the compiled stages (:func:`ipukit.viz.memory.memory_report`)."""
     from ..model import trainingModel
     from ..viz.memory import memory_report
 
+    def failed(exc):
+        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
+
     try:
         opts = training_options(config)
+        module = prepare_network(config, network, wrap)
     except Error as exc:
-        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
+        return failed(exc)
     if optimizer_factory is None:
         from ..core.optim import AdamW
 
         optimizer_factory = lambda params: AdamW(params, lr=config.learning_rate)  # noqa: E731
-    try:
-        module = prepare_network(config, network, wrap)
-    except Error as exc:
-        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
     model = trainingModel(module, opts, optimizer_factory(network.parameters()))
     try:
         model.compile(*sample_batch(template, config.combined_batch))
         report = memory_report(model)
-        blocks = [list(st["blocks"]) for st in report.stages]
-        params = sum(p.numel() for p in network.parameters())
-        return ProbeResult(report=report, stage_blocks=blocks, parameters=params)
+        return ProbeResult(report=report, stage_blocks=[list(st["blocks"]) for st in report.stages],
+                           parameters=sum(p.numel() for p in network.parameters()))
     except Error as exc:
-        return ProbeResult(error=check_message(exc), error_type=type(exc).__name__)
+        return failed(exc)
     finally:
         model.destroy()
 
@@ -566,44 +486,32 @@ def probe(config: Config, network: torch.nn.Module, wrap: Callable[[torch.nn.Mod
 # -- reading a training call's outputs ----------------------------------------------------
 
 def returned_micro_batches(config: Config) -> Optional[List[int]]:
-    """Indices (in call order, per replica) of the micro-batches whose outputs a call returns.
-
-    ``None`` for ``Sum`` (outputs are added up, no micro-batch is returned as such).
-    """
+    """Indices (in call order, per replica) of the micro-batches whose outputs a call returns;
+    ``None`` for ``Sum``."""
     mode = OutputMode[config.resolved_output_mode]
     if mode == OutputMode.Sum:
         return None
     return returned_steps(mode, config.output_return_period, config.micro_batches_per_call)
 
 
-def matching_labels(labels: torch.Tensor, config: Config) -> Optional[torch.Tensor]:
-    """The labels of the samples whose predictions the output mode returned."""
-    chosen = returned_micro_batches(config)
-    if chosen is None:
-        return None
-    steps, r, b = config.micro_batches_per_call, config.replicas, config.micro_batch_size
-    grid = labels.reshape(steps, r, b, *labels.shape[1:])
-    return grid[chosen].reshape(-1, *labels.shape[1:])
-
-
 def call_metrics(predictions: torch.Tensor, losses: torch.Tensor, labels: torch.Tensor,
                  config: Config) -> Dict[str, Any]:
     """Loss and training accuracy of one call, from what the output mode returned.
 
-    ``predictions`` counts the samples the accuracy was computed from: the
-    combined batch with ``All``, one micro-batch with ``Final``. With ``Sum``
-    the outputs of all micro-batches are added, so there is no accuracy and the
-    loss is the sum divided by the number of micro-batches.
+    ``predictions`` counts the samples the accuracy was computed from. With ``Sum``
+    there is no accuracy and the loss is the sum divided by the number of micro-batches.
     """
-    steps = config.micro_batches_per_call * config.replicas
     losses = losses.detach().float()
     if config.resolved_output_mode == "Sum":
-        loss = losses.sum().item() / steps
+        loss = losses.sum().item() / (config.micro_batches_per_call * config.replicas)
         return {"loss": loss, "accuracy": None, "predictions": 0}
     loss = losses.mean().item()
-    wanted = matching_labels(labels, config)
-    n = predictions.shape[0]
-    if wanted is None or wanted.shape[0] != n:
+    chosen, n = returned_micro_batches(config), predictions.shape[0]
+    if chosen is not None:        # the labels of the samples whose predictions were returned
+        grid = labels.reshape(config.micro_batches_per_call, config.replicas,
+                              config.micro_batch_size, *labels.shape[1:])
+        wanted = grid[chosen].reshape(-1, *labels.shape[1:])
+    if chosen is None or wanted.shape[0] != n:
         return {"loss": loss, "accuracy": None, "predictions": n}
     correct = (predictions.argmax(dim=1) == wanted).sum().item()
     return {"loss": loss, "accuracy": 100.0 * correct / n, "predictions": n}
@@ -634,9 +542,7 @@ def format_summary(view: ModeledView, error: Optional[str] = None) -> str:
         ("modeled utilisation", f"{100 * view.overall:.1f}% ({per})"),
         ("idle time, of all IPU time", idle),
         ("costs", view.cost_source),
-    ]
-    if view.drawn_note:
-        rows.append(("timeline", view.drawn_note))
+    ] + ([("timeline", view.drawn_note)] if view.drawn_note else [])
     cells = "".join(f"<tr><td style='padding-right:1em'>{k}</td><td><b>{v}</b></td></tr>"
                     for k, v in rows)
     return f"<table style='font-size:90%'>{cells}</table>"

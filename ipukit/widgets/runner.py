@@ -1,10 +1,8 @@
 """The explorer's actions: Run, Stop and New model, training on a background thread.
 
-:class:`Runner` owns the training thread, the history of calls and the latest
-measured timeline. Each run hands a :class:`~ipukit.widgets.logic.Config` to a
-:class:`~ipukit.widgets.session.TrainingSession` (one per model, so switching
-models and back keeps each one's weights) and reports every call to the
-dashboard. Errors are shown, never raised into a dead thread.
+:class:`Runner` owns the training thread, the history of calls and the latest measured
+timeline; each run goes to the model's :class:`~ipukit.widgets.session.TrainingSession`
+(one per model, so each keeps its weights). Errors are shown, never raised into a dead thread.
 """
 from __future__ import annotations
 
@@ -23,20 +21,16 @@ from .session import TrainingSession
 class Runner:
     """Trains the explorer's model with ipukit, call by call, on a background thread.
 
-    ``models`` are the explorer's model specs, ``data`` its datasets;
-    ``on_done(config, record)`` is called after a run that made at least one call;
-    ``on_error()`` after the run error changed. ``costs_for(config)`` is the cost
-    table the modeled view uses: each measured call is drawn over the same call
-    modeled from it. ``lock`` is held while compiling.
+    ``on_done(config, record)`` is called after a run that made at least one call,
+    ``on_error()`` after the run error changed; each measured call is drawn over the same
+    call modeled from ``costs_for(config)``. ``lock`` is held while compiling.
     """
 
     def __init__(self, dashboard: Dashboard, models: Dict[str, Any], data: ExplorerData,
                  lock, on_done: Callable[[Config, Dict[str, Any]], None],
                  on_error: Callable[[], None], costs_for: Callable[[Config], logic.CostTable],
                  evaluate: bool = True, test_limit: Optional[int] = None) -> None:
-        self.dashboard = dashboard
-        self.models = models
-        self.data = data
+        self.dashboard, self.models, self.data = dashboard, models, data
         self._sessions: Dict[str, TrainingSession] = {}
         self.evaluate_after_run = evaluate
         self.history: List[Dict[str, Any]] = []
@@ -44,11 +38,8 @@ class Runner:
         self.measured_timeline = None
         self.run_error: Optional[str] = None
         self.failed = False                # the run error is not an ipukit.Error
-        self._lock = lock
-        self._on_done = on_done
-        self._on_error = on_error
-        self._costs_for = costs_for
-        self._test_limit = test_limit
+        self._lock, self._on_done, self._on_error = lock, on_done, on_error
+        self._costs_for, self._test_limit = costs_for, test_limit
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
@@ -72,11 +63,8 @@ class Runner:
 
     def forget(self, model: Optional[str] = None) -> None:
         """Empty history and measured view; with ``model``, that model's weights too."""
-        if model is not None:
-            self._sessions.pop(model, None)
-        self.history = []
-        self.test_accuracy = None
-        self.measured_timeline = None
+        self._sessions.pop(model, None)
+        self.history, self.test_accuracy, self.measured_timeline = [], None, None
         self.dashboard.clear_measured()
 
     def start(self, config: Config, calls: int) -> None:
@@ -157,12 +145,10 @@ class Runner:
         status.value = text
 
     def _record(self, record: Dict[str, Any]) -> None:
-        timeline = record.pop("timeline")
+        timeline = self.measured_timeline = record.pop("timeline")
         config = record["config"]
-        self.measured_timeline = timeline
         u = logic.utilisation_record(timeline)
-        record["utilisation"] = u["per_ipu"]
-        record["overall"] = u["overall"]
+        record.update(utilisation=u["per_ipu"], overall=u["overall"])
         self.history.append(record)
         acc = "—" if record["accuracy"] is None else f"{record['accuracy']:.1f}%"
         self.dashboard.status.value = (

@@ -1,12 +1,9 @@
 """Real training for the explorer: ipukit calls, one record per host call.
 
-A :class:`TrainingSession` owns one network, its optimiser and the datasets.
-Each run wraps the network with :func:`ipukit.trainingModel` for the chosen
-configuration, feeds it an :class:`ipukit.DataLoader`, and yields one record
-per call (loss, accuracy, samples/s, the call's measured timeline). Weights
-persist from run to run, so a reader can change the split or the output mode
-and keep training the same model. Stopping is checked between calls only, so
-a call is never cut in half.
+A :class:`TrainingSession` owns one network, its optimiser and the datasets. Each run
+wraps the network with :func:`ipukit.trainingModel` for the chosen configuration and
+yields one record per call; weights persist from run to run, so a reader can change
+the split or the output mode and keep training the same model.
 """
 from __future__ import annotations
 
@@ -24,8 +21,8 @@ from .logic import Config, call_metrics, inference_options, prepare_network, tra
 
 def first_batch(loader: DataLoader) -> List[torch.Tensor]:
     """One call's worth of samples (the first of the dataset), to compile with."""
-    dataset = loader.dataset
-    return torch.utils.data.default_collate([dataset[i] for i in range(loader.combinedBatchSize)])
+    return torch.utils.data.default_collate([loader.dataset[i]
+                                             for i in range(loader.combinedBatchSize)])
 
 
 class TrainingSession:
@@ -35,30 +32,17 @@ class TrainingSession:
                  wrap: Callable[[torch.nn.Module], torch.nn.Module],
                  train_dataset, test_dataset=None, seed: int = 0,
                  test_batch_size: int = 8, inference_iterations: int = 100) -> None:
-        self.model_factory = model_factory
-        self.wrap = wrap
-        self.train_dataset = train_dataset
-        self.test_dataset = test_dataset
-        self.seed = seed
-        self.test_batch_size = test_batch_size
-        self.inference_iterations = inference_iterations
-        self.network: Optional[torch.nn.Module] = None
-        self.optimizer = None
-        self._lr: Optional[float] = None
-        self.steps = 0                     # optimiser steps taken so far
-        self.calls = 0                     # host calls made so far
-        self.samples = 0
-        self.last_timeline = None
+        self.model_factory, self.wrap, self.seed = model_factory, wrap, seed
+        self.train_dataset, self.test_dataset = train_dataset, test_dataset
+        self.test_batch_size, self.inference_iterations = test_batch_size, inference_iterations
         self.reset()
 
     def reset(self) -> None:
         """A freshly initialised network (same seed): forget all training."""
         torch.manual_seed(self.seed)
-        self.network = self.model_factory()
-        self.optimizer = None
-        self._lr = None
-        self.steps = self.calls = self.samples = 0
-        self.last_timeline = None
+        self.network: torch.nn.Module = self.model_factory()
+        self.optimizer, self._lr, self.last_timeline = None, None, None
+        self.steps = self.calls = self.samples = 0      # optimiser steps, host calls, samples
 
     def _optimizer_for(self, config: Config):
         from ..core.optim import AdamW
@@ -72,11 +56,9 @@ class TrainingSession:
             compile_lock=None) -> Iterator[Dict[str, Any]]:
         """Make up to ``calls`` training calls with ``config``; yield a record after each.
 
-        Epochs follow one another until ``calls`` are done or ``stop`` is set
-        (checked between calls). Errors ipukit raises (e.g. a combination
-        PopTorch rejects) propagate from the compilation, before any training.
-        The model is compiled while holding ``compile_lock`` (if given): tracing
-        uses process-wide state, so two compilations must not overlap.
+        Epochs follow one another until ``calls`` are done or ``stop`` is set (checked
+        between calls). ipukit's errors propagate from the compilation, before any training,
+        which holds ``compile_lock`` (if given): two compilations must not overlap.
         """
         opts = training_options(config)
         model = trainingModel(prepare_network(config, self.network, self.wrap), opts,
@@ -100,19 +82,17 @@ class TrainingSession:
                     t0 = time.perf_counter()
                     predictions, losses = model(data, labels)
                     seconds = time.perf_counter() - t0
-                    timeline = model.getTimeline()
+                    self.last_timeline = model.getTimeline()
                     self.calls += 1
                     self.steps += config.device_iterations
                     self.samples += data.shape[0]
                     done += 1
-                    self.last_timeline = timeline
-                    record = {"step": self.steps, "call": self.calls, "samples": self.samples,
-                              "seconds": seconds,
-                              "samples_per_s": data.shape[0] / seconds if seconds > 0 else 0.0,
-                              "combined_batch": data.shape[0], "config": config}
-                    record.update(call_metrics(predictions, losses, labels, config))
-                    record["timeline"] = timeline
-                    yield record
+                    yield {"step": self.steps, "call": self.calls, "samples": self.samples,
+                           "seconds": seconds,
+                           "samples_per_s": data.shape[0] / seconds if seconds > 0 else 0.0,
+                           "combined_batch": data.shape[0], "config": config,
+                           **call_metrics(predictions, losses, labels, config),
+                           "timeline": self.last_timeline}
                 if stop is not None and stop.is_set():
                     return
         finally:

@@ -12,40 +12,22 @@ from typing import List, Optional
 
 import torch
 
-from ...core.enums import ReductionType
-
 
 #: :func:`gradient_sync`'s answers
 DDP, ALL_REDUCE = "ddp", "all-reduce"
 
 
 def gradient_sync(schedule, replicas: int, training: bool) -> Optional[str]:
-    """How a run's replicas combine gradients: :data:`DDP`, :data:`ALL_REDUCE`, or None
-    (one replica, or no training). The one rule, from what torch does with DDP inside
-    each ``PipelineStage``.
+    """How a run's replicas combine gradients: :data:`DDP`, :data:`ALL_REDUCE`, or None (one
+    replica, or no training).
 
-    torch's DDP, the field's library, wherever every backward is a full one
-    (``B``): GPipe, 1F1B, interleaved 1F1B, looped BFS, the sharded schedules,
-    one stage or several per process (each stage its own DDP in the ``dp``
-    group). torch's pipeline stage drives it: ``no_sync`` until a stage's last
-    backward of the step, then DDP's reducer averages each gradient over the
-    replicas as that backward produces it. As torch ships it, GPipe and
-    interleaved 1F1B failed at the second step's first forward with ``RuntimeError:
-    params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED at
-    ".../c10d/reducer.cpp":2003 ... rebuilt parameter indices size is not same as
-    original model parameters size.Original model param size is: 2 versus rebuilt
-    params size of: 4``; the cause is torch's shape inference, not the number of
-    stages per process, and :func:`without_sync` removes it.
-
-    One flat all-reduce (a sum, after an iteration's last backward) where the
-    schedule splits a backward into ``I`` and ``W`` (ZB-H1, ZBV, DualPipeV):
-    torch's ``W`` computes the weight gradients with ``torch.autograd.grad`` and
-    adds them to ``.grad`` itself, so the gradient-accumulation hooks DDP
-    reduces from never fire. No error, and no reduction: the gradients of every
-    stage but the first (whose ``W`` torch runs as a full backward) stayed each
-    replica's own (7.4 apart after one step of ``ScheduleInterleavedZeroBubble``
-    with one stage per process), and ipukit's ZB-H1 under DDP ended
-    0.065 away from the threaded run's weights.
+    torch's DDP wherever every backward is a full one (GPipe, 1F1B, interleaved 1F1B, looped
+    BFS, the sharded schedules): each stage is its own DDP in the ``dp`` group, and torch's
+    pipeline stage keeps it from syncing until the stage's last backward of the step
+    (:func:`without_sync` removes torch's shape-inference failure for GPipe and interleaved
+    1F1B). Where a backward is split into ``I`` and ``W`` (ZB-H1, ZBV, DualPipeV), torch's
+    ``W`` adds its gradients to ``.grad`` itself, so DDP's hooks never fire: one flat
+    all-reduce (a sum) after an iteration's last backward instead.
     """
     if replicas == 1 or not training:
         return None

@@ -1,38 +1,23 @@
 """Stages as processes: ipukit's partition and schedule run by torch.distributed.pipelining.
 
-Under ``torchrun`` (or ``ipukit-run``) every process runs the user's script; a
-training or inference model whose options say there are several processes
-(``Options.Distributed.numProcesses > 1``, read from torchrun's ``WORLD_SIZE``)
-runs here instead of on threads:
+Under ``torchrun`` (or ``ipukit-run``) a model whose options say there are several processes
+(``Options.Distributed.numProcesses > 1``) runs here instead of on threads:
 
-* processes form a (dp, pp) device mesh: ``dp`` = replicationFactor (data-parallel
-  replicas), ``pp`` = the model's virtual IPUs; rank ``r`` is replica ``r // pp``,
-  virtual IPU ``sorted(ipus)[r % pp]``;
-* each process builds a :class:`~torch.distributed.pipelining.PipelineStage`
-  (the manual frontend) for every stage on its virtual IPU, from ipukit's own
-  partition. A stage's body reads the model inputs it needs (the labels of the
-  last block) from the call's micro-batch directly, and carries tensors that a
-  later stage needs (skip connections) through the stages in between, since
-  torch's runtime only sends to the next stage;
-* ipukit's schedule (:meth:`~ipukit.schedules.Schedule.to_torch`) is run by
-  torch's ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
-* with replicas, each stage runs under torch's DDP in the ``dp`` group wherever
-  every backward is a full one (GPipe, 1F1B, interleaved 1F1B, looped BFS): torch's
-  pipeline stage keeps DDP from syncing until a stage's last backward of a step,
-  then DDP averages its gradients. Where a backward is split (ZB-H1, ZBV,
-  DualPipeV), DDP never sees ``W``'s gradients, so each process sums its stages'
-  gradients over the ``dp`` group after an iteration's last backward (one
-  all-reduce of one flat buffer); the rule and its evidence:
-  :func:`~ipukit.distributed.replicas.gradient_sync`. PopTorch's Mean/Sum rule
-  scales them, and every process steps the user's optimiser on its own stages' weights;
-* replicas start each call from replica 0's buffers (a broadcast in the dp group);
-* with memory tracked (``ipukit.track_memory()``), each process measures the bytes alive
-  for its virtual IPU while torch's runtime runs its actions (the threads' tracker,
-  :class:`~ipukit.runtime.memory_track.CallMemory`, on this process's one account), and
-  process 0's timeline carries every process's track.
+* the processes form a (dp, pp) mesh: rank ``r`` is replica ``r // pp`` and virtual IPU
+  ``sorted(ipus)[r % pp]``;
+* each process builds a :class:`~torch.distributed.pipelining.PipelineStage` for every stage
+  on its virtual IPU from ipukit's partition (a stage reads the model inputs it needs from
+  the micro-batch, and carries skip connections through the stages in between);
+* ipukit's schedule (:meth:`~ipukit.schedules.Schedule.to_torch`) runs on torch's
+  ``_PipelineScheduleRuntime``, one ``step()`` per iteration;
+* replicas combine gradients by DDP or one all-reduce
+  (:func:`~ipukit.runtime.processes.replicas.gradient_sync`), start each call from replica
+  0's buffers, and every process steps the optimiser on its own stages' weights;
+* with memory tracked, each process measures its virtual IPU and process 0's timeline
+  carries every process's track.
 
-:func:`maybe_run` is the one entry point the model wrapper needs; everything
-it reads of the compiled model goes through :func:`_compiled`.
+:func:`maybe_run` is the entry point the model wrapper needs; what it reads of the compiled
+model goes through :func:`_compiled`.
 """
 from __future__ import annotations
 

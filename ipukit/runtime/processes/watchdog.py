@@ -22,7 +22,7 @@ import json
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from ...core.errors import StallError
 from ...schedules.ir import BACKWARD, FORWARD, INPUT_GRAD, Action
