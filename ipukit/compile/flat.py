@@ -1,24 +1,14 @@
 """A stage's traced module as one flat graph: what every runtime calls for each micro-batch.
 
-torch's tracer hands each stage back as nested ``InterpreterModule``s, one per
-module of the user's model (the model, its body, each layer). Each level costs
-a module call and two tracing checks before its generated code runs, on every
-forward of every micro-batch, which for a small stage is a large share of its
-forward. :func:`flat_stage` inlines
-the levels into one ``GraphModule`` that calls the same ops, in the same order,
-on the same parameter and buffer objects, so weights, gradients and in-place
-buffer updates are exactly those of the nested module.
-
-It inlines only what it understands (fx graphs called positionally); anything
-else (a module called several times through torch's dispatcher, a leaf module
-that is not a graph, keyword arguments) leaves the stage as it was.
-
-The traced graph calls aten's operator overloads (``torch.ops.aten.linear.default``):
-each such call goes through a Python wrapper and a slower binding than torch's own
-functions, a little more per op. Where torch has a public built-in of the same name taking a
-tensor first (``torch.nn.functional.linear``, ``torch.relu``, the method ``Tensor.view``),
-the flat graph calls that instead (:func:`public_op`): the same aten op through torch's
-own argument parser, so the same kernels and autograd nodes, with the same arguments.
+torch's tracer hands each stage back as nested ``InterpreterModule``s, one per module of the
+user's model, and each level costs a call and tracing checks on every forward.
+:func:`flat_stage` inlines them into one ``GraphModule`` calling the same ops in the same
+order on the same parameter and buffer objects, so weights, gradients and in-place buffer
+updates are exactly the nested module's. It inlines only what it understands (fx graphs
+called positionally); anything else leaves the stage as it was. Where torch has a public
+built-in for an aten overload the graph calls (``torch.nn.functional.linear``,
+``torch.relu``, ``Tensor.view``), the flat graph calls that instead (:func:`public_op`):
+the same kernels and autograd nodes through a faster binding.
 """
 from __future__ import annotations
 

@@ -206,30 +206,20 @@ _REDUCED = (torch.float16, torch.bfloat16)
 class MixedPrecision(TorchFunctionMode):
     """PopTorch's resolution of float16 activations meeting float32 weights.
 
-    PopTorch's user guide: weights may stay float32 while the inputs are float16;
-    "the parameters will be converted to float16 if you call an operation with a
-    float16 input", and the updates stay float32. Where PyTorch itself accepts a
-    mix of dtypes, PopTorch 3 follows PyTorch, and so does ipukit. The rule, per
-    operation of the model, where the model's own parameters and buffers are the
-    *weights* and every other floating tensor an *activation*:
+    PopTorch: "the parameters will be converted to float16 if you call an operation with a
+    float16 input", and the updates stay float32. Per operation, where the model's own
+    parameters and buffers are the *weights* and every other floating tensor an *activation*:
 
-    * matrix products and convolutions (``linear``, ``matmul``, ``conv2d``, ...;
-      PyTorch requires one dtype): when every floating activation is float16 (or
-      bfloat16) and weights are float32, the op uses those weights cast to the
-      activations' dtype, so it computes and returns float16 (PopTorch's 8-bit I/O
-      test: ``linear(x.half())`` with float32 weights is half). The cast is part of
-      the step, so gradients reach the float32 weights in float32. Integer
-      activations (8-bit inputs) meeting float weights are cast to the weights'
-      dtype (PyTorch's ``result_type``, as PopTorch's implicit casting);
-    * normalisations (``batch_norm``, ``layer_norm``, ...): PyTorch's own
-      mixed-precision kernels take a float16 input with float32 weights and
-      statistics. When a norm's weights are float16 but its running statistics
-      float32 (PopTorch's way of keeping statistics in float32), the weights are
-      used as float32, so the statistics keep their dtype and are updated in place;
-    * everything else: PyTorch's type promotion (float16 + float32 is float32).
+    * matrix products and convolutions: when every floating activation is float16 (or
+      bfloat16) and the weights float32, the op uses the weights cast to the activations'
+      dtype (the cast is part of the step, so gradients reach the float32 weights); integer
+      activations meeting float weights are cast to the weights' dtype;
+    * normalisations: PyTorch's mixed-precision kernels; float16 weights with float32 running
+      statistics are used as float32, so the statistics keep their dtype;
+    * everything else: PyTorch's type promotion.
 
-    While a model is traced, the casts become part of each stage's graph; a model
-    run eagerly as one stage runs under this mode.
+    While a model is traced the casts become part of each stage's graph; a model run eagerly as
+    one stage runs under this mode.
     """
 
     def __init__(self, model: torch.nn.Module, fixed_weights: bool = False) -> None:

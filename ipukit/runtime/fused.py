@@ -119,27 +119,16 @@ def action_by_action():
 class Chain:
     """A chained lane (:attr:`~ipukit.schedules.ir.Schedule.chained`) run as a plain loop runs it.
 
-    For each micro-batch: every stage's module in turn, each output handed straight to the
-    stages that take it (no mailboxes, no stash), then one ``backward()`` from the loss
-    that adds the micro-batch's gradients into ``p.grad``. Its seed is the step's gradient
-    scale (Mean reduction: 1 ÷ the micro-batches), as a plain loop's
-    ``(loss / accumulation).backward()`` is, so the step need not scale the gradients in
-    another pass over them (:attr:`step_scale`, what is left, is then 1). With loss
-    scaling, the seed is the loss scaling and the step unscales, as on the action-by-action
-    path. The weights after the call are the action-by-action path's up to rounding
-    (exactly, where the scale is a power of two), and the work around each pass is about
-    what a plain loop pays. ``backward`` goes without ``inputs=`` (which costs autograd a walk of the
-    graph every micro-batch) when the parameters are the only tensors in the graph that
-    want a gradient; otherwise it names them.
+    For each micro-batch every stage's module runs in turn, each output handed straight on, then
+    one ``backward()`` from the loss adds its gradients into ``p.grad``, seeded with the step's
+    gradient scale (as a plain loop's ``(loss / accumulation).backward()``; with loss scaling,
+    the loss scaling, and the step unscales). The weights after the call are the
+    action-by-action path's up to rounding.
 
-    The timeline: each forward between two clock readings (one per pass), and each
-    micro-batch's whole backward between two. Where that backward's share of each stage
-    lies needs a gradient hook at each stage boundary, and a Python call in the middle of
-    autograd's pass costs several microseconds (the pass's own work slows too), so only
-    one micro-batch in :attr:`SAMPLE` of a lane is hooked (the second, then every
-    :attr:`SAMPLE`-th): it gets its stages' measured spans, and every other micro-batch
-    splits its measured backward in the proportions the hooked ones measured, on average.
-    Counters: one progress increment per action, as the action-by-action path does.
+    The timeline: each forward between two clock readings, and each micro-batch's whole
+    backward between two. Gradient hooks at the stage boundaries cost time, so only one
+    micro-batch in :attr:`SAMPLE` is hooked; the others split their measured backward in the
+    proportions the hooked ones measured.
     """
 
     SAMPLE = 16  #: hook the stage boundaries of every SAMPLE-th micro-batch of a lane

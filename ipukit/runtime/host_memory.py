@@ -1,28 +1,18 @@
 """Opt-in: the host allocator keeps the memory it frees, as a device keeps its memory.
 
-A pipelined call holds several micro-batches' activations at once (GPipe all of them,
-1F1B up to one per stage) and frees them as their backwards run. With glibc's default
-settings the memory freed at the top of the heap, and every block above its adaptive
-``mmap`` threshold, goes back to the operating system; the next micro-batch's
-activations then fault fresh zeroed pages in, on every call. That cost grows with the
-micro-batches in flight, a pass timed alone never pays it, and it depends on what ran
-before in the process (glibc's adaptive thresholds move as large blocks are freed).
+A pipelined call frees micro-batches' activations as their backwards run; with glibc's
+default settings memory freed at the top of the heap, and blocks above its adaptive
+``mmap`` threshold, go back to the operating system, and the next micro-batch faults fresh
+pages in, on every call. A device does not pay that (an IPU's memory is laid out at compile
+time, a GPU's caching allocator keeps freed blocks). So ipukit can ask glibc (``mallopt``)
+to keep what it frees: a very high trim threshold and the mmap threshold at 32 MiB. The
+process then keeps its peak of host memory until it exits.
 
-A real device does not pay it: an IPU's memory was laid out once, when the program
-was compiled, and a GPU's caching allocator keeps the blocks it freed. So ipukit can ask
-glibc (``mallopt``) to keep what it frees: the trim threshold very high (the heap is never
-shrunk) and the mmap threshold at glibc's largest, 32 MiB (blocks up to that size come
-from the heap and are reused). The process then keeps its peak of host memory until it
-exits, as the device would; larger blocks are still mapped and returned. With worker
-threads each thread allocates from its own arena, so it matters most where one thread
-holds many micro-batches (a stage run as a process, a plain GPipe-ordered loop).
-
-It is off by default, because it is process-wide and, once set, stays (glibc cannot go
-back to its adaptive threshold): ``Options.keepHostMemory(True)`` applies it at the first
-call of that model, and only where it is glibc's malloc that runs (Linux).
-``IPUKIT_KEEP_HOST_MEMORY=1`` turns it on for every model (``0`` keeps it off even for a
-model that asked). ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the
-environment mean the user chose: ipukit leaves them alone.
+It is off by default because it is process-wide and stays once set:
+``Options.keepHostMemory(True)`` applies it at the first call of that model (Linux, glibc
+only); ``IPUKIT_KEEP_HOST_MEMORY=1`` turns it on for every model (``0`` keeps it off).
+``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the environment mean the user
+chose: ipukit leaves them alone.
 """
 from __future__ import annotations
 

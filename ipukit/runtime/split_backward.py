@@ -1,26 +1,19 @@
 """A stage's backward in two halves: input gradients now, weight gradients later.
 
-Zero-bubble schedules run the input-gradient half (``I``) as soon as the next
-stage's gradient arrives, because the previous stage waits for it, and the
-weight-gradient half (``W``) later, where the pipeline would otherwise idle.
-Neither half recomputes the forward, and ``W`` does not redo ``I``'s work:
+Zero-bubble schedules run the input-gradient half (``I``) as soon as the next stage's
+gradient arrives and the weight-gradient half (``W``) later, where the pipeline would
+idle. Neither half recomputes the forward, and ``W`` does not redo ``I``'s work:
 
-* ``I`` finds, with torch.distributed.pipelining's graph helpers, the autograd
-  nodes where each parameter's gradient path meets the path from the stage's
-  inputs (its *intermediates*), and back-propagates to the inputs keeping the
-  graph. The engine itself captures the gradients reaching the intermediates:
-  they are passed to ``torch.autograd.grad`` as extra inputs (gradient edges),
-  where torch's ``stage_backward_input`` registers a Python hook on each. A
-  Python hook runs inside the engine and must take the interpreter lock, which
-  on threads another worker may hold; without the hooks ``I`` waits for no lock,
-  and the gradients are bit for bit the same;
-* ``W`` back-propagates from those intermediates to the parameters only.
-  Parameters that no input path reaches (all of them on the first stage,
-  whose inputs need no gradient) get theirs from the stage's outputs.
+* ``I`` finds (with torch.distributed.pipelining's graph helpers) the autograd nodes where
+  each parameter's gradient path meets the path from the stage's inputs, and
+  back-propagates to the inputs keeping the graph, capturing the gradients reaching those
+  intermediates as extra ``torch.autograd.grad`` inputs (no Python hooks, so no wait for the
+  interpreter lock inside the engine);
+* ``W`` back-propagates from the intermediates to the parameters; parameters no input path
+  reaches get theirs from the stage's outputs.
 
-Unlike torch's ``stage_backward_weight`` this returns the gradients instead of
-adding them to ``p.grad``: replicas share parameters and run on different
-threads, and ipukit accumulates per replica and stage.
+Unlike torch's ``stage_backward_weight`` this returns the gradients instead of adding them
+to ``p.grad``: replicas share parameters, and ipukit accumulates per replica and stage.
 """
 from __future__ import annotations
 

@@ -1,28 +1,20 @@
 """Every pipeline schedule side by side, on the same IPUs and the same model (modeled).
 
-A fair comparison keeps the model and the number of virtual IPUs fixed: each
-IPU's part of the model costs ``forward_cost[i]`` / ``backward_cost[i]`` per
-micro-batch, and a schedule that places v stages on each IPU (interleaved,
-looped, ZBV, DualPipeV: v = 2) cuts that part into v stages of 1/v the cost and
-1/v the activations. :func:`compare_schedules` models one step of each kind
-with :func:`ipukit.simulate` and reports its time, its bubble and the peak
-activations each IPU holds, in units of "one micro-batch's activations of one
-IPU's part of the model". Everything here is modeled, and labelled so.
+With unit costs each IPU's part of the model costs ``forward_cost[i]`` /
+``backward_cost[i]`` per micro-batch, and a schedule that places v stages on each IPU cuts
+that part into v stages of 1/v the cost and 1/v the activations (an idealisation).
+:func:`compare_schedules` models one step of each kind with :func:`ipukit.simulate` and
+reports its time, its bubble and the peak activations each IPU holds, in units of one
+micro-batch's activations of one IPU's part.
 
-That even cut is an idealisation. Given a calibrated :class:`~ipukit.timeline.costs.CostTable`
-(``table=``), every schedule is instead modeled from a real partition of the network's
-blocks: the blocks are cut into as many contiguous stages as the schedule places
-(``num_ipus`` for GPipe, 1F1B and ZB-H1; ``virtual_stages × num_ipus`` in a loop; two per
-IPU in a V, the first and last stage on IPU 0), each stage costing its blocks' measured
-forward, backward, ``I`` and ``W``. Every bar then uses the same ``num_ipus`` IPUs; a
-schedule with more stages than the network has blocks is unavailable, with the reason
-(``ScheduleSummary.ipus`` and ``ipu_time``, IPU-seconds per step, make this checkable).
+Given a calibrated :class:`~ipukit.timeline.costs.CostTable` (``table=``), every schedule is
+modeled from a real partition of the blocks instead: as many contiguous stages as it places,
+each costing its blocks' measured passes, on the same ``num_ipus`` IPUs; a schedule with
+more stages than blocks is unavailable, with the reason.
 
-Communication: with ``transfer_cost`` (a table's hand-off by default) and
-``communication="exposed"`` (the default), a send to another IPU occupies the sending
-IPU for the transfer, except in DualPipeV's paired forward and backward, where it
-overlaps the partner's compute (DeepSeek's point: the pair hides its communication);
-``"latency"`` makes every transfer latency only (the receiver waits, no one is busy).
+Communication: with ``transfer_cost`` and ``communication="exposed"`` (the default) a send
+occupies the sending IPU, except in DualPipeV's paired forward and backward, where it
+overlaps the partner's compute; ``"latency"`` makes it latency only.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Every pipeline schedule on the explorer's current model, split, batching and costs (modeled).
 
-The explorer's stage split (or the ViT's ``layers_per_ipu``) fixes the stages;
-each schedule places them the way it needs (:func:`ipukit.widgets.logic.placed`):
-GPipe, 1F1B and ZB-H1 one stage per IPU, interleaved 1F1B and looped BFS in a
-loop, ZBV and DualPipeV in a V — two stages per IPU, so on half as many IPUs.
-:func:`schedule_rows` models one host call of each with the same
-:func:`~ipukit.widgets.logic.modeled_view` the explorer's summary uses, so the
-row of the selected schedule is the summary's numbers. Nothing here imports
-ipywidgets.
+The explorer's stages are fixed; each schedule places them as it needs
+(:func:`ipukit.widgets.logic.placed`: a V puts two stages per IPU, so uses half as many).
+:func:`schedule_rows` models each with :func:`~ipukit.widgets.logic.modeled_view`, so the
+selected schedule's row is the summary's numbers. Nothing here imports ipywidgets.
 """
 from __future__ import annotations
 
@@ -40,33 +36,20 @@ class ScheduleRow:
 
 
 def held_per_ipu(timeline: Timeline, stage_ipus) -> List[float]:
-    """Per IPU, the most micro-batch activations its stages hold at once.
-
-    Counted in units of one stage's activations of one micro-batch, so that every
-    schedule of the same stages is measured alike (a V's IPU holding two stages
-    counts both). From :func:`ipukit.timeline.compare.peak_activations`, which weighs each
-    stage by its share of its IPU.
-    """
+    """Per IPU, the most micro-batch activations its stages hold at once, in units of one
+    stage's activations of one micro-batch (a V's IPU holding two stages counts both)."""
     stages_on = Counter(stage_ipus)
     return [w * stages_on[ipu] for ipu, w in enumerate(peak_activations(timeline, list(stage_ipus)))]
 
 
-def for_schedule(config: Config, schedule: str) -> Config:
-    """``config`` pipelined with ``schedule``, its stages placed as that schedule wants.
-
-    Raises a ``ValueError`` (ipukit's :class:`~ipukit.schedules.ScheduleError`) when
-    the stages cannot be placed so, e.g. an odd number of them for a V.
-    """
-    return logic.placed(config.with_(schedule=schedule, sharded=False, ipus=config.model_ipus))
-
-
 def schedule_row(config: Config, schedule: str, costs: CostTable, samples_per_epoch: int,
                  parameters: int = 0) -> ScheduleRow:
-    """``config`` with ``schedule``, modeled (unavailable, with the reason, if it cannot
-    place the stages)."""
+    """``config`` pipelined with ``schedule`` and its stages placed so, modeled (unavailable,
+    with the reason, when the stages cannot be placed so)."""
     kind = config.with_(schedule=schedule, sharded=False).schedule_kind
     try:
-        placed = for_schedule(config, schedule)
+        placed = logic.placed(config.with_(schedule=schedule, sharded=False,
+                                           ipus=config.model_ipus))
         view = logic.modeled_view(placed, costs, samples_per_epoch, parameters=parameters)
     except (ValueError, logic.Error) as exc:
         return ScheduleRow(schedule, kind, available=False, reason=str(exc))
@@ -79,8 +62,7 @@ def schedule_row(config: Config, schedule: str, costs: CostTable, samples_per_ep
 
 def schedule_rows(config: Config, costs: CostTable, samples_per_epoch: int,
                   parameters: int = 0) -> List[ScheduleRow]:
-    """Every pipelined schedule of :data:`ipukit.widgets.logic.SCHEDULES` for ``config``'s
-    model, stages, batching and ``costs`` (pipelined, whatever ``config.sharded`` says)."""
+    """:func:`schedule_row` of every schedule in :data:`ipukit.widgets.logic.SCHEDULES`."""
     return [schedule_row(config, name, costs, samples_per_epoch, parameters)
             for name in logic.SCHEDULES]
 
@@ -90,14 +72,8 @@ def schedule_rows(config: Config, costs: CostTable, samples_per_epoch: int,
 def schedule_table(num_ipus: int = 4, micro_batches=(8, 32), forward_cost: float = 1.0,
                    backward_cost: float = 2.0) -> str:
     """The table in docs/schedules.md of every schedule's bubble and memory, from
-    :func:`ipukit.compare_schedules`.
-
-    Equal costs on every IPU (a forward ``forward_cost``, a backward
-    ``backward_cost``: I and W half each), the same ``num_ipus`` IPUs for every
-    schedule (two stages per IPU where a schedule needs them, each half the
-    IPU's part of the model). Run ``python -m ipukit.widgets.comparison`` to
-    print it; ``tests/test_widgets.py`` checks docs/schedules.md holds it.
-    """
+    :func:`ipukit.compare_schedules` with equal costs on the same ``num_ipus`` IPUs.
+    ``python -m ipukit.widgets.comparison`` prints it."""
     from ..timeline.compare import compare_schedules
 
     runs = {m: compare_schedules(num_ipus, m, forward_cost=forward_cost,

@@ -1,12 +1,9 @@
 """The explorer's Suggest: :func:`ipukit.plan` for the current model, IPUs and global batch.
 
 :class:`Suggester` holds a memory budget per IPU (MiB; empty: no limit) and a Suggest
-button. Pressing it asks :func:`ipukit.plan` for the fastest modeled plan on the IPUs
-the controls use, at the global batch they describe (micro-batch size × gradient
-accumulation), from the cost tables the explorer has already calibrated (no new
-calibration); it shows the plan's table and hands the plan's values (schedule, split or
-``layers_per_ipu``, micro-batch size, gradient accumulation, device iterations) to the
-explorer's controls. The planning is ipukit's: nothing here searches or models.
+button, which asks :func:`ipukit.plan` for the fastest modeled plan on the controls' IPUs
+at their global batch (micro-batch size × gradient accumulation), from the cost tables
+already calibrated, shows it and applies its values to the controls.
 """
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ MAX_MICRO_BATCH, MAX_ACCUMULATION = 128, 64
 class Suggester:
     """The memory budget box, the Suggest button and the plan it shows.
 
-    ``config()`` gives the controls' current :class:`~ipukit.widgets.logic.Config`;
-    ``costs_for(config)`` the explorer's calibrated table at its micro-batch size;
-    ``apply(**values)`` sets the controls (the explorer's ``set``).
+    ``config()`` gives the controls' :class:`~ipukit.widgets.logic.Config`, ``costs_for(config)``
+    the calibrated table, ``apply(**values)`` sets the controls (the explorer's ``set``).
     """
 
     def __init__(self, models: Dict[str, Any], config: Callable[[], logic.Config],
@@ -48,10 +44,8 @@ class Suggester:
                                        tooltip="ipukit.plan: the fastest modeled plan for these "
                                                "IPUs and this global batch, applied to the controls")
         self.suggestion = W.HTML(value="")
-        #: the plan the last Suggest applied (None: none yet, or it failed)
-        self.suggested = None
-        #: the message of the last Suggest that found no plan
-        self.suggest_error: Optional[str] = None
+        self.suggested = None                     # the plan the last Suggest applied
+        self.suggest_error: Optional[str] = None  # why the last Suggest found no plan
         self.suggest_button.on_click(lambda _: self.suggest())
         self.suggest_box = W.VBox([W.HBox([self.memory_budget, self.suggest_button]),
                                    self.suggestion])
@@ -74,12 +68,9 @@ class Suggester:
 
     def suggest(self, budget_mib: Union[None, float, str] = None,
                 costs: Union[None, logic.CostTable, Sequence[logic.CostTable]] = None):
-        """Press Suggest: plan, show the table, apply the plan to the controls; returns the
-        plan (None when none fits: :attr:`suggest_error` then holds ipukit's message).
-
-        ``budget_mib`` fills the budget box first; ``costs`` replaces the calibrated
-        tables (a hand-made :class:`~ipukit.timeline.costs.CostTable`, for lessons and
-        tests whose numbers must not depend on the machine)."""
+        """Press Suggest: plan, show it, apply it to the controls; returns the plan (None when
+        none fits: :attr:`suggest_error` says why). ``budget_mib`` fills the budget box first;
+        ``costs`` replaces the calibrated tables (numbers that do not depend on the machine)."""
         if budget_mib is not None:
             self.memory_budget.value = str(budget_mib)
         self.suggested, self.suggest_error = None, None
@@ -101,11 +92,9 @@ class Suggester:
 
     def clear_suggestion(self) -> None:
         """Empty the budget box and the plan shown (the controls keep their values)."""
-        self.memory_budget.value = ""
-        self.suggestion.value = ""
+        self.memory_budget.value = self.suggestion.value = ""
         self.suggested, self.suggest_error = None, None
 
-    # -- the call to ipukit.plan -------------------------------------------------------
     def _plan(self, costs):
         from ..core.optim import AdamW
         from ..plan import measure_block_memory, micro_batch_candidates, plan
@@ -121,7 +110,7 @@ class Suggester:
                              f"{MAX_MICRO_BATCH} divides it with a gradient accumulation up to "
                              f"{MAX_ACCUMULATION}; choose another micro-batch size or accumulation")
         if costs is None:
-            self._costs_for(config)              # the table the modeled view uses: calibrated
+            self._costs_for(config)              # calibrates the modeled view's table
             costs = logic.calibrated_tables(spec)
         if config.model not in self._memory:     # activation bytes: measured once per model
             module = spec.calibration_module()
