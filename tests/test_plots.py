@@ -269,3 +269,14 @@ def test_compare_shows_the_models_notes():
     fig = plots.compare_figure(measured, modeled)
     texts = [a.text for a in fig.layout.annotations]
     assert any(x.startswith("Model: ") and "at most 1 at once" in x for x in texts)
+
+
+def test_a_legend_lists_every_kind_drawn_in_any_panel_once():
+    """I and W drawn only in a later panel (a zero-bubble schedule) are in the legend too."""
+    from ipukit.viz.plots import compare_figure, schedule_grid_figure
+
+    for fig in (schedule_grid_figure(4, 8, kinds=["1f1b", "zb-h1"]),
+                compare_figure(ipukit.simulate("1f1b", 3, 6), ipukit.simulate("zb-h1", 3, 6))):
+        shown = [t.name for t in fig.data if t.showlegend is not False]
+        assert len(shown) == len(set(shown))
+        assert {"input gradient (I)", "weight gradient (W)", "forward", "backward"} <= set(shown)

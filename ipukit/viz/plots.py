@@ -150,6 +150,16 @@ def _describe(timeline: Timeline) -> str:
     return " · ".join(parts)
 
 
+def _legend_once(fig: go.Figure) -> go.Figure:
+    """One legend entry per kind drawn in any panel (the first trace of each group)."""
+    seen = set()
+    for trace in fig.data:
+        if trace.showlegend is not False:
+            trace.showlegend = (trace.legendgroup or trace.name) not in seen
+            seen.add(trace.legendgroup or trace.name)
+    return fig
+
+
 def _gantt_axes(fig: go.Figure, rows: Sequence[str], row: Optional[int] = None) -> None:
     kw = dict(row=row, col=1) if row is not None else {}
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=list(rows),
@@ -193,7 +203,7 @@ def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=titles, row_heights=[len(rows[0]) or 1, len(rows[1]) or 1])
     for i, tl in enumerate((measured, modeled), start=1):
-        for trace in _timeline_traces(tl, legend=(i == 1)):
+        for trace in _timeline_traces(tl):
             fig.add_trace(trace, row=i, col=1)
         _gantt_axes(fig, rows[i - 1], row=i)
     fig.update_xaxes(title_text="", row=1, col=1)
@@ -211,7 +221,7 @@ def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
                       margin=dict(l=10, r=10, t=80, b=40 + 30 * len(notes)),
                       uniformtext=dict(minsize=8, mode="hide"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0))
-    return fig
+    return _legend_once(fig)
 
 
 # -- utilisation ---------------------------------------------------------------------------
@@ -487,7 +497,7 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
                         line=dict(width=0)),
             legendgroup="idle", showlegend=(col == 1),
             hovertemplate="idle %{base} → %{x} units<extra></extra>"), row=1, col=col)
-        for trace in _timeline_traces(tl, legend=(col == 1)):
+        for trace in _timeline_traces(tl):
             if trace.name == LABELS["step"]:
                 continue                    # an idealised grid has no optimiser step
             trace.y = [rename.get(y, y) for y in trace.y]
@@ -509,7 +519,7 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
         height=max(300, 160 + 44 * num_stages), margin=dict(l=10, r=10, t=90, b=80),
         uniformtext=dict(minsize=8, mode="hide"),   # the legend below the ticks and axis title
         legend=dict(orientation="h", yref="container", yanchor="bottom", y=0))
-    return fig
+    return _legend_once(fig)
 
 
 # -- schedules side by side ------------------------------------------------------------------

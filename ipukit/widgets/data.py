@@ -9,12 +9,9 @@ MNIST_SAMPLES = 60000
 
 
 class ExplorerData:
-    """Training and test sets, read lazily; the shape of one sample for compiling without data.
-
-    Without datasets, real MNIST (:func:`ipukit.datasets.mnist_tensors`, from
-    ``IPUKIT_DATA``), the first ``train_limit``/``test_limit`` samples. The test
-    set is loaded only when ``evaluate`` is set.
-    """
+    """Training and test sets, read lazily (default: the first ``train_limit``/``test_limit``
+    samples of real MNIST, :func:`ipukit.datasets.mnist_tensors`; the test set only when
+    ``evaluate``); the shape of one sample for compiling without data."""
 
     def __init__(self, train_dataset=None, test_dataset=None, train_limit: Optional[int] = None,
                  test_limit: Optional[int] = None, sample_shape=None, evaluate: bool = True):
@@ -41,13 +38,11 @@ class ExplorerData:
 
     @property
     def samples_per_epoch(self) -> int:
-        if self._train is not None:
-            return len(self._train)
-        return self.train_limit or MNIST_SAMPLES
+        return len(self._train) if self._train is not None else self.train_limit or MNIST_SAMPLES
 
     def template(self, model_shape=None) -> List[torch.Tensor]:
-        """One sample's input and label, as zeros (the shape given to the explorer, else one
-        of the training set's, else ``model_shape``, the model spec's, else MNIST's)."""
+        """One sample's input and label as zeros, shaped as given, else as the training set's,
+        else ``model_shape`` (the spec's), else MNIST's."""
         if self.sample_shape is not None:
             return [torch.zeros(self.sample_shape), torch.zeros((), dtype=torch.long)]
         if self._train is not None:

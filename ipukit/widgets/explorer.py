@@ -30,7 +30,6 @@ from .logic import Config
 from .models import by_name
 from .modeler import Modeler
 from .runner import Runner
-from .session import TrainingSession
 from .suggester import Suggester
 
 
@@ -139,20 +138,12 @@ class PipelineExplorer:
         self.wait_for_verdict()
         return self.modeler.config_error
 
-    @property
-    def probe_result(self) -> Optional[logic.ProbeResult]:
-        """ipukit's verdict on the current controls (waits for it)."""
-        return self.wait_for_verdict()
-
-    @property
-    def modeled(self) -> logic.ModeledView:
-        """The modeled view of the current controls."""
-        return self.modeler.view
-
-    @property
-    def session(self) -> TrainingSession:
-        """The current model's training session."""
-        return self.runner.session_for(self.controls.model.value)
+    #: ipukit's verdict on the current controls (waits for it)
+    probe_result = property(lambda self: self.wait_for_verdict())
+    #: the modeled view of the current controls
+    modeled = property(lambda self: self.modeler.view)
+    #: the current model's :class:`~ipukit.widgets.session.TrainingSession`
+    session = property(lambda self: self.runner.session_for(self.controls.model.value))
 
     # -- running -----------------------------------------------------------------------
     def reset(self) -> None:

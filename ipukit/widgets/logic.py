@@ -95,40 +95,23 @@ class Config:
         for name in ("blocks", "layers_per_ipu", "ipus", "model_ipus"):     # lists from JSON or asdict
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
-    @property
-    def split_ids(self) -> Tuple[int, ...]:
-        return parse_split(self.split, self.blocks)
-
-    @property
-    def num_stages(self) -> int:
-        return len(set(self.split_ids))
-
-    @property
-    def stage_ipus(self) -> Tuple[int, ...]:
-        """The virtual IPU of each stage."""
-        return self.ipus or tuple(range(self.num_stages))
-
-    @property
-    def layered(self) -> bool:
-        """Placed by ``layers_per_ipu`` through an :class:`~ipukit.IPUConfig` (the ViT)."""
-        return bool(self.layers_per_ipu)
+    split_ids = property(lambda self: parse_split(self.split, self.blocks))
+    num_stages = property(lambda self: len(set(self.split_ids)))
+    #: the virtual IPU of each stage
+    stage_ipus = property(lambda self: self.ipus or tuple(range(self.num_stages)))
+    #: placed by ``layers_per_ipu`` through an :class:`~ipukit.IPUConfig` (the ViT)
+    layered = property(lambda self: bool(self.layers_per_ipu))
+    #: micro-batches per replica in one call (DI × GA)
+    micro_batches_per_call = property(lambda self: self.device_iterations
+                                      * self.gradient_accumulation)
+    #: samples one host call consumes: micro-batch × DI × GA × replicas
+    combined_batch = property(lambda self: self.micro_batch_size * self.micro_batches_per_call
+                              * self.replicas)
 
     @property
     def stage_blocks(self) -> List[List[str]]:
-        out: List[List[str]] = [[] for _ in range(self.num_stages)]
-        for block, ipu in zip(self.blocks, self.split_ids):
-            out[ipu].append(block)
-        return out
-
-    @property
-    def combined_batch(self) -> int:
-        """Samples one host call consumes: micro-batch × DI × GA × replicas."""
-        return self.micro_batch_size * self.micro_batches_per_call * self.replicas
-
-    @property
-    def micro_batches_per_call(self) -> int:
-        """Micro-batches per replica in one call (DI × GA)."""
-        return self.device_iterations * self.gradient_accumulation
+        ids = self.split_ids
+        return [[b for b, i in zip(self.blocks, ids) if i == s] for s in range(len(set(ids)))]
 
     @property
     def schedule_kind(self) -> str:
@@ -137,10 +120,9 @@ class Config:
             return "sharded"
         return kind_of(self.schedule) or self.schedule.lower()
 
-    @property
-    def resolved_output_mode(self) -> str:
-        """``Default`` is ``Final`` for a training model."""
-        return "Final" if self.output_mode == "Default" else self.output_mode
+    #: ``Default`` is ``Final`` for a training model
+    resolved_output_mode = property(lambda self: "Final" if self.output_mode == "Default"
+                                    else self.output_mode)
 
     def with_(self, **changes) -> "Config":
         return replace(self, **changes)
@@ -329,16 +311,12 @@ def cost_source(costs: CostTable) -> str:
 
 # -- the modeled view ---------------------------------------------------------------------
 
-def optimizer_state_bytes(parameters: int, multiple: float = 2.0) -> int:
-    """AdamW keeps two float32 values per parameter."""
-    return int(parameters * multiple * 4)
-
-
 def offload_step_cost(config: Config, parameters: int) -> float:
-    """Extra seconds per optimiser step to stream offloaded state in and out over the host link."""
+    """Extra seconds per optimiser step to stream offloaded AdamW state (two float32 values
+    per parameter) in and out over the host link."""
     if not config.offload_optimizer:
         return 0.0
-    return 2.0 * optimizer_state_bytes(parameters) / HOST_LINK_BYTES_PER_S
+    return 2.0 * int(parameters * 2.0 * 4) / HOST_LINK_BYTES_PER_S
 
 
 def modeled_timeline(config: Config, costs: CostTable, parameters: int = 0) -> Timeline:

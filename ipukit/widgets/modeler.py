@@ -167,11 +167,8 @@ class Modeler:
         return sum(p.numel() for p in self.network(name).parameters())
 
     # -- read-back (the explorer's attributes) ------------------------------------------
-    @property
-    def modeled_utilisation(self) -> Dict[int, float]:
-        """Modeled busy fraction of each virtual IPU for the current controls."""
-        return dict(self.view.utilisation)
-
+    #: modeled busy fraction of each virtual IPU for the current controls
+    modeled_utilisation = property(lambda self: dict(self.view.utilisation))
     modeled_overall = property(lambda self: self.view.overall)
     #: the modeled pipeline fill and drain, a share of all IPU time
     bubble = property(lambda self: self.view.bubble)

@@ -108,9 +108,8 @@ class TrainingSession:
         iterations = max(config.num_stages, min(self.inference_iterations, size // batch))
         if batch * iterations > size:
             return None
-        dataset = self.test_dataset
-        if size < len(dataset):
-            dataset = torch.utils.data.Subset(dataset, range(size))
+        dataset = (self.test_dataset if size >= len(self.test_dataset)
+                   else torch.utils.data.Subset(self.test_dataset, range(size)))
         opts = inference_options(config, iterations)
         model = inferenceModel(self.network, opts)
         loader = DataLoader(opts, dataset, batch_size=batch)
@@ -119,8 +118,7 @@ class TrainingSession:
             with compile_lock or nullcontext():
                 model.compile(first_batch(loader)[0])
             for data, labels in loader:
-                out = model(data)
-                correct += (out.argmax(dim=1) == labels).sum().item()
+                correct += (model(data).argmax(dim=1) == labels).sum().item()
                 total += labels.shape[0]
         finally:
             model.destroy()

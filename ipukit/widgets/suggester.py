@@ -132,9 +132,8 @@ class Suggester:
                                       gradient_accumulation=plan.gradient_accumulation,
                                       device_iterations=plan.device_iterations)
         if not spec.layered:
-            ids = [s for s, n in enumerate(plan.split) for _ in range(n)]
-            values["split"] = logic.split_label(spec.blocks, ids)
-            return values
+            return {**values, "split": logic.split_label(
+                spec.blocks, [s for s, n in enumerate(plan.split) for _ in range(n)])}
         layers = plan.layers_per_ipu(spec.layer_blocks)
         block_ipus, _ = layered_split(spec, layers)
         stages = [[b for b, i in zip(spec.blocks, block_ipus) if i == ipu]
