@@ -1,19 +1,17 @@
 """Calibrate the schedule model on this machine: ``ipukit.calibrate(model, sample_inputs)``.
 
-Each part of a call's cost is measured alone (never by timing the pipelined call the table
-will predict), on one worker thread with the intra-op threads a two-worker pipeline's worker
-gets: each block's forward, backward and split-backward halves ``I`` and ``W`` (every block
-its own stage: :func:`ipukit.balance.measure_split_blocks`); the fixed cost of a pass and
-the host's work around a call; one optimiser step as the runtime steps; one hand-off
-between two workers through the runtime's mailboxes.
+Each part of a call's cost is measured alone, never by timing the pipelined call the table
+will predict, on one worker thread with a two-worker pipeline's intra-op threads: each
+block's forward, backward, ``I`` and ``W`` (:func:`ipukit.balance.measure_split_blocks`);
+the fixed cost of a pass and the host's work around a call; one optimiser step; one
+hand-off between two workers.
 
 **Guards.** The blocks' run is repeated until two consecutive runs agree (within
 :data:`AGREE`) or ``budget`` seconds are spent. What a table cannot settle is listed in
-``CostTable.uncertain``: a busy machine (the thread got less than :data:`BUSY_SHARE` of its
-cores' time; measured again once), runs that never agreed, a block whose ``I + W`` reads far
-above its full backward (halves dropped), a step far above a direct ``optimizer.step()``
-(timed again). Tables are cached per process, keyed by the model's structure, the blocks,
-the batch, the device and the thread count; ``cache_dir`` also keeps them as JSON files.
+``CostTable.uncertain``: a busy machine (less than :data:`BUSY_SHARE` of the cores' time;
+measured again once), runs that never agreed, an ``I + W`` far above the full backward
+(halves dropped), a step far above a direct ``optimizer.step()`` (timed again). Tables are
+cached per process (and as JSON files in ``cache_dir``).
 """
 from __future__ import annotations
 

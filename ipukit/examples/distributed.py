@@ -3,18 +3,12 @@
     ipukit-run -n 2 -m ipukit.examples.distributed --out result.pkl     # 2 stages, 2 processes
     python -m ipukit.examples.distributed --out result.pkl              # the same on threads
 
-The four blocks of :class:`ipukit.examples.mnist.Network` are split over two
-virtual IPUs (``--split 0,0,1,1``: B1 B2 | B3 B4), trained with AdamW under the
-1F1B schedule, then tested by an inference model. Nothing in the script says
-"processes": under ``ipukit-run`` the options read torchrun's ``RANK`` and
-``WORLD_SIZE`` and the models run their stages as processes. The training
-data is one fixed permutation of MNIST read in order (``shuffle=False``), so a
-run on processes and one on threads see the same batches and must end with the
-same weights. The stages run on the CPU (gloo) unless ``--device`` says otherwise.
-
-Process 0 (the only process on threads) writes ``--out``, a pickle of
-:func:`train`'s result: the trained weights, the loss of every call, the test
-accuracy, the last training call's timeline (every process's spans) and wall times.
+The four blocks of :class:`ipukit.examples.mnist.Network` are split over two virtual IPUs
+(``--split 0,0,1,1``), trained with AdamW under 1F1B, then tested. Nothing in the script says
+"processes": under ``ipukit-run`` the options read torchrun's ``RANK`` and ``WORLD_SIZE``.
+The data is read in one fixed order, so processes and threads must end with the same
+weights. Process 0 writes ``--out``, a pickle of :func:`train`'s result (weights, losses,
+test accuracy, the last call's timeline, wall times).
 """
 from __future__ import annotations
 

@@ -1,35 +1,18 @@
-"""Train and test the pipelining tutorial's MNIST network with ipukit.
+"""Train and test the pipelining tutorial's MNIST network with ipukit (``ipukit-mnist``).
 
-The PopTorch pipelining tutorial's training script, written for ipukit: the
-four-block network (:mod:`ipukit.examples.mnist`) is split over four virtual
-IPUs, trained with AdamW through a pipelined (or sharded) training model, then
-evaluated by an inference model built from a clone of the training options —
-gradient accumulation 1 and ``deviceIterations × gradientAccumulation``
-device iterations, so a test call covers as many micro-batches as a training
-call and the pipeline stays full.
+The PopTorch pipelining tutorial's training script: the four-block network
+(:mod:`ipukit.examples.mnist`) on four virtual IPUs, trained with AdamW through a pipelined
+(or sharded) training model, then tested by an inference model built from a clone of the
+training options (gradient accumulation 1, ``deviceIterations × gradientAccumulation``
+device iterations). Run ``python -m ipukit.examples.mnist_pipeline --help``; the last line
+printed is ``Accuracy on test set: XX.XX%``.
 
-Run ``python -m ipukit.examples.mnist_pipeline --help`` (or ``ipukit-mnist``).
-The last line printed is ``Accuracy on test set: XX.XX%``.
-
-Differences from the tutorial, and why:
-
-* both strategies accumulate gradients (the tutorial's DataLoader always
-  does, its sharded model did not), so ``--strategy`` changes only the timing;
-* MNIST is decoded once into tensors (:func:`ipukit.datasets.mnist_tensors`,
-  the same normalised samples) instead of transforming each image on every
-  epoch, which on a small CPU costs more than the training itself;
-* the inference model always returns every prediction (``OutputMode.All``),
-  so test accuracy counts every test sample whatever ``--output-mode`` is.
-
-``--model vit`` trains the small Vision Transformer of :mod:`ipukit.examples.vit`
-instead, configured by an optimum-graphcore ``ipu_config.json``
-(``--ipu-config PATH``, default the one beside ``vit.py``): replication, device
-iterations, gradient accumulation, output mode and optimiser offload come from
-the file (the matching flags are ignored), its layers are placed by
-``layers_per_ipu`` (the model gets ``sum(layers_per_ipu)`` encoder layers when
-the list has no ``-1``), and the IPU-only settings it holds are printed as
-ignored. Testing uses the file's inference settings (sharded execution).
-``--ipu-config`` with the convnet takes only the batching settings.
+Differences from the tutorial: both strategies accumulate gradients, so ``--strategy``
+changes only the timing; MNIST is decoded once into tensors
+(:func:`ipukit.datasets.mnist_tensors`); the inference model returns every prediction.
+``--model vit`` trains :mod:`ipukit.examples.vit` configured by an optimum-graphcore
+``ipu_config.json`` (``--ipu-config PATH``), whose batching, placement and offload settings
+replace the matching flags; the IPU-only settings it holds are printed as ignored.
 """
 from __future__ import annotations
 

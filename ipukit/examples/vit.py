@@ -1,26 +1,14 @@
 """A small Vision Transformer for MNIST, placed on virtual IPUs from an :class:`~ipukit.IPUConfig`.
 
-The model has the shape of Hugging Face's ``ViTForImageClassification`` at toy
-size: a patch embedding (7×7 patches of the 28×28 image, a class token and
-learned positions), ``num_layers`` identical pre-norm encoder layers
-(multi-head self-attention and an MLP), then a LayerNorm and a linear
-classifier on the class token. ``forward(images, labels=None)`` returns the
-logits, or ``(logits, loss)`` when labels are given, as Hugging Face models do.
-
-:meth:`ViT.parallelize` follows optimum-graphcore's ``PipelinedViTForImageClassification``:
-the embeddings start a block on IPU 0, encoder layer ``i`` starts a block on
-``get_layer_ipu(ipu_config, layers)[i]``, and the final LayerNorm and the
-classifier (with the loss) go on the last IPU. With
-``recompute_checkpoint_every_layer`` each encoder layer's activations are
-recomputed in the backward pass (:func:`~ipukit.ipu_config.recomputation_checkpoint`).
-:meth:`ViT.deparallelize` undoes all of it.
-
-Because the layers are identical, ``layers_per_ipu`` balances the pipeline:
-``[2, 2, 2, 2]`` gives four stages of nearly equal cost (the embeddings and the
-head are small), unlike the tutorial convnet whose two convolutions dominate.
-
-``CONFIG_PATH`` is the IPU configuration used by ``ipukit-mnist --model vit``;
-:func:`explorer_model` is the spec the notebook dashboard is given.
+The shape of Hugging Face's ``ViTForImageClassification`` at toy size: a patch embedding,
+``num_layers`` identical pre-norm encoder layers, a LayerNorm and a linear classifier on the
+class token; ``forward(images, labels=None)`` returns the logits, or ``(logits, loss)``.
+:meth:`ViT.parallelize` follows optimum-graphcore's ``PipelinedViTForImageClassification``
+(embeddings on IPU 0, encoder layer ``i`` on ``get_layer_ipu(ipu_config, layers)[i]``, the
+head and loss on the last IPU, recomputation per layer with
+``recompute_checkpoint_every_layer``); :meth:`ViT.deparallelize` undoes it. The layers are
+identical, so ``layers_per_ipu`` balances the pipeline. ``CONFIG_PATH`` is the IPU
+configuration of ``ipukit-mnist --model vit``; :func:`explorer_model` is the dashboard's spec.
 """
 from __future__ import annotations
 
