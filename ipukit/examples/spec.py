@@ -1,24 +1,15 @@
 """What a dashboard needs to know of a model: :class:`ModelSpec`, one per example.
 
-The notebook dashboard (:class:`ipukit.widgets.PipelineExplorer`) knows no model of
-its own: it is given specs (``PipelineExplorer(models=[mnist.explorer_model(),
-vit.explorer_model()])``) and reads only their attributes. A spec says
-
-* how to build the network (``factory``) and make it a training model (``wrap``:
-  the convnet gets its loss wrapper, the ViT computes its own loss);
-* how its blocks are placed: by a **stage split** of ``blocks`` (``layers == 0``:
-  every contiguous cut is offered, :meth:`strategy` makes the stages), or by an
-  :class:`~ipukit.IPUConfig`'s ``layers_per_ipu`` (``layers > 0``: the network's own
-  ``parallelize(ipu_config)`` places its blocks, as optimum-graphcore did;
-  ``presets`` are offered, ``default_layers`` is the start; ``layer_blocks`` are the
-  blocks the counts place, ``together`` the blocks ``parallelize`` keeps on one IPU);
-* its data: one sample's shape (``sample_shape``, MNIST images by default) and the
-  micro-batch size it starts at;
-* optionally ``reference_costs(micro_batch_size)``: a fixed cost table shipped with the
-  example, for lessons whose numbers must not depend on the reader's machine (the dashboard itself calibrates on the reader's machine).
-
-:meth:`calibration_module` and :meth:`sample_batch` are what :func:`ipukit.calibrate`
-measures the model's cost table on, every block its own stage.
+The dashboard (:class:`ipukit.widgets.PipelineExplorer`) knows no model of its own: it is
+given specs (``PipelineExplorer(models=[mnist.explorer_model(), vit.explorer_model()])``)
+and reads only their attributes: how to build the network (``factory``) and make it a
+training model (``wrap``); how its blocks are placed, by a stage split of ``blocks``
+(``layers == 0``) or by an :class:`~ipukit.IPUConfig`'s ``layers_per_ipu`` (``layers > 0``:
+the network's own ``parallelize`` places them; ``presets``, ``default_layers``,
+``layer_blocks``, ``together``); one sample's shape and the starting micro-batch size; and
+optionally ``reference_costs(micro_batch_size)``, a fixed cost table for lessons whose numbers
+must not depend on the reader's machine. :meth:`calibration_module` and
+:meth:`sample_batch` are what :func:`ipukit.calibrate` measures.
 """
 from __future__ import annotations
 
