@@ -55,7 +55,7 @@ class PipelineExplorer:
         self.data = ExplorerData(train_dataset, test_dataset, train_limit, test_limit,
                                  sample_shape, evaluate)
         self._lock = threading.RLock()
-        self.controls = Controls(self.models, self.config0, lambda change: self.set())
+        self.controls = Controls(self.models, self.config0, self._on_change)
         self.suggester = Suggester(self.models, lambda: self.controls.config,
                                    lambda c: self.modeler.costs_for(c), self.set)
         self.dashboard = Dashboard(self.suggester.under(self.controls.box), calls)
@@ -69,6 +69,10 @@ class PipelineExplorer:
         self.dashboard.stop_button.on_click(lambda _: self.stop())
         self.dashboard.reset_button.on_click(lambda _: self.reset())
         self.refresh()
+
+    def _on_change(self, change) -> None:
+        """A control moved (in the browser or from code): model the new settings."""
+        self.set()
 
     # -- the parts' public attributes are the explorer's ---------------------------------
     def __getattr__(self, name: str):

@@ -364,9 +364,7 @@ class ModeledView:
     time_per_step: float = 0.0
     breakdown: Dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def title(self) -> str:
-        return f"Modeled call ({self.cost_source})"
+    title = property(lambda self: f"Modeled call ({self.cost_source})")
 
 
 def modeled_view(config: Config, costs: CostTable, samples_per_epoch: int,
@@ -418,9 +416,7 @@ class ProbeResult:
     stage_blocks: List[List[str]] = field(default_factory=list)
     parameters: int = 0
 
-    @property
-    def ok(self) -> bool:
-        return self.error is None
+    ok = property(lambda self: self.error is None)
 
 
 def sample_batch(template: Sequence[torch.Tensor], size: int) -> List[torch.Tensor]:

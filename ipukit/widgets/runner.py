@@ -43,9 +43,7 @@ class Runner:
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    running = property(lambda self: self._thread is not None and self._thread.is_alive())
 
     def session_for(self, name: str) -> TrainingSession:
         """The training session of model ``name``: its network, optimiser and data."""
@@ -56,10 +54,9 @@ class Runner:
                                                    self.data.test_dataset)
         return self._sessions[name]
 
-    @property
-    def measured_utilisation(self) -> Dict[int, float]:
-        """Busy fraction of each virtual IPU in the latest measured call ({} before a run)."""
-        return logic.utilisation_record(self.measured_timeline)["per_ipu"]
+    #: busy fraction of each virtual IPU in the latest measured call ({} before a run)
+    measured_utilisation = property(
+        lambda self: logic.utilisation_record(self.measured_timeline)["per_ipu"])
 
     def forget(self, model: Optional[str] = None) -> None:
         """Empty history and measured view; with ``model``, that model's weights too."""
