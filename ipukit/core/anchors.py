@@ -1,21 +1,12 @@
 """Anchored tensors: reading a training step's gradients and updated weights after a call.
 
-PopTorch programs name internal tensors with PopART's names and read them back:
-``opts.anchorTensor("grad_fc1", "Gradient___fc1.weight")``, then
-``model.getAnchoredTensor("grad_fc1")`` after a call. ipukit provides the two
-kinds such programs anchor, for every trainable parameter ``<name>`` of the
-wrapped module (``named_parameters()`` names):
-
-- ``Gradient___<name>``: the gradient of one micro-batch's loss with respect to
-  the parameter (before accumulation and the Mean/Sum reduction), one value per
-  micro-batch, like a model output;
-- ``UpdatedVar___<name>``: the parameter after an optimiser step, one value per
-  iteration (device iteration).
-
-Values are returned as a model output would be under the anchor's output mode
-(by default the model's own, with the model's ``EveryN`` period): ``Final`` the
-last value, ``All`` every value concatenated on dimension 0, ``EveryN`` every
-N-th, ``Sum`` their sum.
+PopTorch programs anchor internal tensors under PopART's names
+(``opts.anchorTensor("grad_fc1", "Gradient___fc1.weight")``, then
+``model.getAnchoredTensor("grad_fc1")``). ipukit provides both kinds, for every trainable
+parameter ``<name>``: ``Gradient___<name>`` (one micro-batch's gradient, before accumulation
+and reduction, one value per micro-batch) and ``UpdatedVar___<name>`` (the parameter after
+an optimiser step, one value per iteration). Values are returned as a model output under the
+anchor's output mode (by default the model's).
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """PopTorch's optimisers: torch.optim's, accepting PopTorch's extra arguments.
 
-The extra arguments are recorded in ``optimizer.ipu_arguments``. Two act as in
-PopTorch: ``loss_scaling`` (an ipukit model multiplies the loss by it for the
-backward pass and divides the gradients by it before the step, which keeps
-small half-precision gradients from underflowing), and ``accum_type``, the
-type half-precision gradients are accumulated in (default float32).
-Half-precision weights are always updated in float32 with float32 optimiser
-state (the momentum ``*_accum_type`` arguments are recorded, not emulated).
-``max_grad_norm`` clips the global gradient norm before each step.
-``velocity_scaling`` only chose an IPU number format and changes nothing.
+The extra arguments are recorded in ``optimizer.ipu_arguments``. As in PopTorch,
+``loss_scaling`` multiplies the loss for the backward pass and divides the gradients before
+the step, ``accum_type`` is the type half-precision gradients accumulate in (default
+float32), and ``max_grad_norm`` clips the global gradient norm; half-precision weights are
+always updated in float32 with float32 state; ``velocity_scaling`` and the ``*_accum_type``
+arguments are recorded only. Every optimiser here is an :class:`Optimizer` (PopTorch's base
+class): its ``state_dict()`` carries ``"ipu_state"`` and ``"ipu_param"`` under PopART's names
+beside torch's entries, and each has ``variable_attrs`` (:class:`VariableAttributes`).
 Plain ``torch.optim`` optimisers work with ipukit models too.
-
-As in PopTorch, every optimiser here is an :class:`Optimizer` (PopTorch's base
-class, usable as a base for your own: ``class Mine(ipukit.optim.Optimizer,
-torch.optim.SGD)``): its ``state_dict()`` carries ``"ipu_state"`` (the
-optimiser's state tensors under PopART's names) and ``"ipu_param"`` (its
-hyperparameters per parameter) beside torch's entries, and ``load_state_dict``
-accepts only such a dictionary. Each has ``variable_attrs``
-(:class:`VariableAttributes`).
 """
 from __future__ import annotations
 

@@ -303,28 +303,15 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
          hidden: Optional[set] = None) -> List[List[List[Tuple[float, float]]]]:
     """Time every action of ``lanes``; returns ``times[replica][lane]`` = [(start, end), ...].
 
-    The rules of a pipeline, in one place: each lane runs its actions in
-    order; a stage's forward waits for the previous stage's forward of the
-    micro-batch (plus ``transfers["F"][stage]``); its backward or
-    input-gradient waits for the gradient from the next stage (that stage's
-    ``B`` or ``I``, plus ``transfers["B"][stage]``) and for its own forward; a
-    weight-gradient waits for its own input-gradient; an optimiser step waits
-    for the iteration's flush (every forward and backward of every lane and
-    replica done). ``costs[kind][stage]`` is an action's duration (``I`` and
-    ``W`` default to half of ``B``; a missing ``S`` costs nothing).
-
-    ``cores`` limits how many forwards/backwards run at once (a CPU with fewer
-    cores than workers); a ready action then waits for a free core, earliest
-    ready first. Steps are one host operation and take no core. With
-    ``cores=None`` every worker has its own core.
-
-    A transfer is latency only by default: the receiver waits, the sender does not. With
-    ``exposed`` the sender is busy sending (its span grows by the transfer), except the
-    actions whose ``(lane, index)`` is in ``hidden`` (a send overlapped with a paired
-    action's compute, as DualPipeV's), which stay latency only.
-
-    A schedule whose lanes wait on each other forever raises :class:`ScheduleError`,
-    naming which lane waits for which action.
+    The rules of a pipeline, in one place: each lane runs its actions in order; a forward waits
+    for the previous stage's forward of the micro-batch (plus ``transfers["F"][stage]``); a
+    backward or ``I`` waits for its own forward and the next stage's gradient (plus
+    ``transfers["B"][stage]``); ``W`` waits for its ``I``; an optimiser step waits for the
+    iteration's flush. ``costs[kind][stage]`` is an action's duration (``I`` and ``W`` default
+    to half of ``B``). ``cores`` limits how many passes run at once (earliest ready first; steps
+    take no core). A transfer is latency only unless ``exposed`` (the sender is busy too, except
+    the actions in ``hidden``). Lanes that wait on each other forever raise
+    :class:`ScheduleError`, naming which lane waits for which action.
     """
     N, last = num_stages, num_stages - 1
     zero = [0.0] * N

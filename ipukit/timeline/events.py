@@ -329,21 +329,12 @@ class Timeline:
     def idle_breakdown(self) -> Dict[str, Any]:
         """Where the virtual IPUs' idle time goes, in seconds of IPU time.
 
-        The capacity is wall time × virtual IPUs; what is not ``busy``
-        (forwards and backwards) is ``idle``, split into parts that add up to it:
-
-        * ``step`` — every IPU waits while the host steps the optimiser;
-        * ``host`` — every IPU waits while the host works alone (cutting the
-          input into micro-batches, gathering outputs, combining gradients);
-        * ``bubble`` — the pipeline's fill and drain: the textbook share
-          (N − 1)/(M + N − 1) (:meth:`textbook_bubble`) of the time the pipeline ran;
-        * ``imbalance`` — the rest of the pipeline's idle time: stages of unequal
-          cost (the others wait for the slowest), hand-offs between workers, and on
-          a CPU, workers waiting for a core.
-
-        ``shares`` holds each part as a fraction of the capacity, with ``busy``;
-        the shares add up to 1. For equal stage costs and nothing else, ``bubble``
-        is exactly the textbook share and ``imbalance`` 0.
+        The capacity is wall time × virtual IPUs; what is not ``busy`` (passes) is ``idle``, split
+        into ``step`` (the host steps the optimiser), ``host`` (the host works alone), ``bubble``
+        (fill and drain: the textbook share (N − 1)/(M + N − 1) of the time the pipeline ran,
+        :meth:`textbook_bubble`) and ``imbalance`` (the rest: unequal stages, hand-offs, waits for a
+        core). ``shares`` holds each part as a fraction of the capacity (they add up to 1). For
+        equal stage costs and nothing else, ``bubble`` is exactly the textbook share.
         """
         tracks = self.tracks()
         P = len(tracks)

@@ -57,30 +57,18 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
              exposed_transfers: bool = False, cores: Optional[int] = None) -> Timeline:
     """Model one host call of a pipeline and return its (modeled) timeline.
 
-    ``kind`` is ``"gpipe"``, ``"1f1b"``, ``"sharded"`` (training) or
-    ``"inference"``, ``"sharded-inference"``. ``micro_batches`` is the
-    accumulation window (gradientAccumulation; deviceIterations for inference),
-    ``iterations`` the device iterations of a training call. Costs are seconds
-    (or any unit) per micro-batch, scalars or one per stage; ``transfer_cost``
-    is added between stages on different IPUs; ``host_overhead`` is paid once
-    per call before the first micro-batch (what device iterations amortise).
+    ``kind`` is any kind of :data:`ipukit.schedules.KINDS` (the modern ones on the placement
+    they need unless ``stage_ipus`` says otherwise). ``micro_batches`` is the accumulation
+    window (deviceIterations for inference), ``iterations`` the device iterations of a training
+    call. Costs are seconds (or any unit) per micro-batch, scalars or one per stage;
+    ``transfer_cost`` is added between stages on different IPUs, ``host_overhead`` once per
+    call. A split backward costs ``(1 − weight_share) × backward`` for ``I`` and
+    ``weight_share × backward`` for ``W`` unless ``input_grad_cost`` / ``weight_grad_cost``
+    are given. ``exposed_transfers``: a send also occupies the sender, except DualPipeV's
+    paired passes (:func:`paired_actions`); by default a transfer is latency only. ``cores``:
+    at most that many passes at once (``None``: one core per worker).
 
-    Every kind of :data:`ipukit.schedules.KINDS` is modeled, the modern ones
-    (:mod:`ipukit.schedules`) on the placement they need unless ``stage_ipus``
-    says otherwise; a split backward costs ``(1 − weight_share) × backward`` for
-    its input-gradient half and ``weight_share × backward`` for its weight half
-    (or ``input_grad_cost`` / ``weight_grad_cost`` when given, e.g. measured).
-
-    ``exposed_transfers``: a send to another IPU also occupies the sender for
-    ``transfer_cost`` (communication not overlapped with compute), except DualPipeV's
-    paired forward and backward, whose sends overlap the partner's compute
-    (:func:`paired_actions`); by default a transfer is latency only (the receiver waits).
-
-    ``cores``: at most that many forwards/backwards run at once (a CPU with fewer cores
-    than workers); ``None``: one core per worker.
-
-    For equal stage costs and no overheads, GPipe's utilisation is exactly
-    M / (M + N − 1).
+    For equal stage costs and no overheads, GPipe's utilisation is exactly M / (M + N − 1).
     """
     N = int(num_stages)
     fwd = per_stage(forward_cost, N, "forward_cost")

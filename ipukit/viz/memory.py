@@ -434,21 +434,14 @@ def memory_report(model, schedule_kind: Optional[str] = None,
 class MeasuredMemory:
     """A call's measured peak per virtual IPU beside the modeled report (replica 0).
 
-    Per IPU (``rows``): ``measured_peak_bytes`` (the most bytes alive at once during
-    the call, :class:`~ipukit.timeline.events.MemoryTrack`), ``measured_baseline_bytes``
-    (alive at its start: parameters, buffers, optimiser state), ``measured_end_bytes``,
-    ``measured_above_baseline_bytes`` (peak − baseline: what the call's work added),
-    ``measured_held_bytes`` (the most alive as a pass starts, the previous one's temporaries
-    freed: what the IPU holds between passes — stashes, accumulators, hand-offs),
-    ``modeled_bytes`` (:func:`memory_report`'s ``total_on_chip_bytes``, summed over the
-    IPU's stages), ``modeled_static_bytes`` (its parameters, gradient accumulators and
-    on-chip optimiser state), ``modeled_stash_bytes`` (its activation stash),
-    ``modeled_ipu_bytes`` (static plus :func:`ipu_stash_peak`: the stashes of an IPU's
-    stages at the same time, not each at its own peak, with recomputation counted by
-    :func:`recompute_bytes`: a recomputing stage stashes its inputs and outputs and rebuilds
-    one micro-batch's activations during a backward — kept from ``I`` to ``W`` when the
-    backward is split), ``modeled_held_bytes`` (the same but a ``B``'s rebuilt activations:
-    what it models between passes), ``ratio`` (measured ÷ modeled) and ``allocator_peak_bytes`` (GPU only).
+    Per IPU (``rows``): ``measured_peak_bytes``, ``measured_baseline_bytes`` (alive at the
+    start), ``measured_end_bytes``, ``measured_above_baseline_bytes``, ``measured_held_bytes``
+    (the most alive as a pass starts: what the IPU holds between passes); ``modeled_bytes``
+    (:func:`memory_report`'s total over the IPU's stages), ``modeled_static_bytes``,
+    ``modeled_stash_bytes``, ``modeled_ipu_bytes`` (static plus :func:`ipu_stash_peak`, the
+    IPU's stashes at the same time, recomputation counted by :func:`recompute_bytes`),
+    ``modeled_held_bytes`` (the same without a backward's rebuilt activations), ``ratio``
+    (measured ÷ modeled) and ``allocator_peak_bytes`` (GPU only).
     """
 
     rows: List[Dict[str, Any]]

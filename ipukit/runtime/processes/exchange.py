@@ -1,22 +1,11 @@
 """What a call's processes exchange after the schedule: output rows in a replica, spans to process 0.
 
-Each process of a replica returns the replica's outputs, as a PopTorch process
-did, but only the processes whose stages produce model outputs hold them (the
-"rows": micro-batch → {output index: value}). :class:`RowExchange` sends them to
-the other processes of the replica.
-
-Why not one pickled ``all_gather_object`` (what ipukit did first): it sends
-every process's rows to every process, in two collectives, pickled both ways,
-a cost paid on every call. Here a
-producing process broadcasts its rows as raw bytes in one collective, once
-every process knows their layout (keys, shapes, dtypes): the first call, and
-any call whose layout changed, sends them pickled and every process keeps the
-new layout. A one-word flag in front of the bytes says which case follows, so
-the usual call costs one broadcast of the rows' own size per producing process.
-
-:class:`SpanGather` brings process 0 every process's measured spans for the
-call's timeline, in one gather, and the memory tracks of the processes that measured
-their memory (``ipukit.track_memory()``), sent to it point to point.
+Every process of a replica returns the replica's outputs, as in PopTorch, but only the
+processes whose stages produce them hold them. :class:`RowExchange` broadcasts each
+producer's rows as raw bytes in one collective once every process knows their layout (the
+first call, or a changed layout, sends them pickled; a one-word flag says which follows).
+:class:`SpanGather` brings process 0 every process's spans in one gather, and the memory
+tracks of the processes that measured them.
 """
 from __future__ import annotations
 

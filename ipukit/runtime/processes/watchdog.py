@@ -1,20 +1,13 @@
 """The stall watchdog of stages as processes: progress measured across every process.
 
-Each process counts the actions its stages complete (``CallContext.done``, one
-increment per action). A small daemon thread per process publishes its count in
-the rendezvous store when it changed (a few times a second at most) and reads
-every process's; when none changed for ``Options.stallTimeout`` seconds while every
-process was inside a call (a process between calls, e.g. saving a checkpoint, is not
-waited on by the watchdog), the call has stalled everywhere: each process writes what it was doing (its last action,
-the one it is at, and whether it waits for a peer or is inside the user's
-operation, read from the calling thread's stack) to the store, reads the
-others', and the error names every process. It then cuts this process's
-process-group connections (gloo cannot end a pending receive otherwise), so
-every wait ends at once; the calling thread raises the
-:class:`~ipukit.core.errors.StallError` through the runtime's abort path (the
-state is restored), and the process group is torn down and built afresh by the
-next call. A process inside a user's operation raises it when the operation
-returns (the next action's end); until then it cannot be stopped from outside.
+Each process counts the actions its stages complete; a daemon thread publishes the count in
+the rendezvous store and reads every process's. When none changed for
+``Options.stallTimeout`` seconds while every process was inside a call, each process writes
+what it was doing (its last action, the one it is at, whether it waits for a peer or is
+inside the user's operation) to the store, and the error names every process. It then cuts
+this process's process-group connections so every wait ends; the calling thread raises the
+:class:`~ipukit.core.errors.StallError` through the abort path, and the next call builds the
+group afresh. A process inside a user's operation raises when the operation returns.
 """
 from __future__ import annotations
 
