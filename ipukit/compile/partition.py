@@ -433,18 +433,11 @@ def trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
           training: Optional[bool] = None) -> Partition:
     """Trace ``model`` on one micro-batch and cut it into stages.
 
-    ``split_stages`` cuts wherever the stage changes, even on the same IPU (for
-    schedules that place several stages on one IPU). ``training`` says whether
-    the model is a training one (the inference-only operations, ``for_loop`` and
-    ``cond``, then refuse it while it is traced; ``None``: not said).
-
-    Float16 activations meeting float32 weights are resolved as
-    :class:`MixedPrecision` describes. Inputs, parameters or buffers on the meta
-    device are refused before anything is traced.
-
-    Traces run one at a time: torch.export's tracing state is process-wide, so
-    models compiled from several threads at once (a dashboard's training thread
-    and the notebook, say) take turns. (The block recorder is per context.)
+    ``split_stages`` cuts wherever the stage changes, even on the same IPU. ``training`` says
+    whether the model is a training one (``for_loop`` and ``cond`` then refuse it; ``None``: not
+    said). Float16 activations meeting float32 weights follow :class:`MixedPrecision`; tensors
+    on the meta device are refused first. Traces run one at a time (torch.export's tracing state
+    is process-wide).
     """
     _check_not_meta(model, flat_inputs)
     with _TRACE_LOCK:

@@ -1,24 +1,13 @@
-"""The call contract both runtimes keep (threads: :mod:`.executor`; processes:
-:mod:`.processes.runtime`), and the one home of each of its parts.
+"""The call contract both runtimes keep (threads: :mod:`.executor`; processes: :mod:`.processes.runtime`).
 
-A call, on either runtime:
-
-1. **cuts** the combined batch into micro-batches (:func:`ipukit.core.batching.split`);
-2. **runs** the schedule's actions, each recorded as an :class:`~ipukit.Event` of one
-   timeline type (:func:`action_event`), against a clock shared by every worker;
-3. **steps** the optimiser once per iteration after the flush: the gradients scaled by
-   PopTorch's Mean/Sum rule (:func:`ipukit.runtime.update.gradient_scale`), unscaled,
-   stepped in float32 (:func:`ipukit.runtime.update.step`), recorded on every virtual IPU it
-   updates (:func:`step_events`);
-4. **returns** the rows the output mode keeps (:func:`ipukit.core.batching.returned_steps`,
-   combined by :func:`ipukit.core.batching.gather`);
-5. on an error or an interrupt **stops, joins and restores** through the one abort path
-   (:func:`ipukit.runtime.abort.abort_call`, with :class:`~ipukit.runtime.update.StateSnapshot`),
-   so that the weights, buffers and optimiser state are those from before the call.
-
-What differs between the runtimes is only where the workers live (threads sharing one
-copy of the weights, or processes each holding their stages) and how activations travel
-(mailboxes, or torch.distributed.pipelining's point-to-point messages).
+A call cuts the combined batch into micro-batches (:func:`ipukit.core.batching.split`); runs
+the schedule's actions, each recorded as an :class:`~ipukit.Event` (:func:`action_event`);
+steps the optimiser once per iteration after the flush, the gradients scaled by PopTorch's
+Mean/Sum rule and unscaled (:mod:`ipukit.runtime.update`), recorded on every IPU it updates
+(:func:`step_events`); returns the rows the output mode keeps
+(:func:`ipukit.core.batching.returned_steps`); and on an error or an interrupt stops, joins
+and restores the state through the one abort path (:func:`ipukit.runtime.abort.abort_call`).
+The runtimes differ only in where the workers live and how activations travel.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Run a schedule on per-IPU workers and measure what each one did.
 
-This module only orchestrates a call: one worker (:mod:`ipukit.runtime.workers`) runs
-each lane of the :class:`~ipukit.schedules.Schedule` for each replica, doing
-the work of each action (:mod:`ipukit.actions`), so stages really overlap in
-time; at the end of an iteration (the pipeline flushed) the calling thread
-steps the optimiser once (:mod:`ipukit.runtime.update`), as PopART's weight update did.
-A call with one worker (a sharded or one-stage model, one replica) runs on the
-calling thread with no hand-off at all.
-
-A call that fails or is interrupted stops every worker, joins them, and
-restores the weights, buffers and optimiser state from before the call —
-Ctrl-C pressed again meanwhile waits until that is done.
+One worker (:mod:`ipukit.runtime.workers`) runs each lane of the
+:class:`~ipukit.schedules.Schedule` for each replica, doing each action's work
+(:mod:`ipukit.runtime.actions`), so stages really overlap; after each iteration's flush the
+calling thread steps the optimiser once (:mod:`ipukit.runtime.update`), as PopART's weight
+update did. A call with one worker runs on the calling thread. A call that fails or is
+interrupted stops and joins every worker and restores the weights, buffers and optimiser
+state from before the call.
 """
 from __future__ import annotations
 

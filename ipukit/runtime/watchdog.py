@@ -1,18 +1,11 @@
 """Stall diagnosis: a call in which no action completes anywhere for ``Options.stallTimeout``.
 
-The hot path pays one counter increment per action (each worker its own slot in
-:attr:`~ipukit.runtime.actions.ActionRunner.progress`); the thread that already
-waits for the workers (the calling thread on threads, a small watch thread per
-process) compares the counters' sum a few times a second, so a slow call that
-keeps completing actions is never stopped: only the time since the last
-completed action anywhere counts.
-
-When it fires, the call is stopped through the one abort path
-(:func:`~ipukit.runtime.abort.abort_call`) and undone, and a
-:class:`~ipukit.core.errors.StallError` says, per virtual IPU (or process), the
-last action completed, the action it is at, whether it waits for a message (and
-from which stage) or is inside a user's operation (named from the thread's
-stack, read only then), and the schedule around that point in torch's notation.
+Each action increments its worker's progress counter; the thread that already waits for the
+workers compares their sum a few times a second, so only the time since the last completed
+action anywhere counts. When it fires, the call is stopped and undone through the abort
+path, and a :class:`~ipukit.core.errors.StallError` says per virtual IPU (or process) the
+last action completed, the one it is at, whether it waits for a message or is inside a
+user's operation (read from the thread's stack), and the schedule around that point.
 """
 from __future__ import annotations
 

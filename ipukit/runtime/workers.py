@@ -1,17 +1,10 @@
 """Worker threads for virtual IPUs: mailboxes, a pool with tested join semantics, Ctrl-C.
 
-Three small pieces, each usable and tested on its own:
-
-* :class:`Exchange` — one mailbox per message (an activation or a gradient of
-  one micro-batch), so a message wakes only the worker waiting for it, and an
-  abort wakes everyone;
-* :class:`Pool` — starts one thread per worker, records the first error, and
-  :meth:`Pool.join` returns only when every thread has ended, even if Ctrl-C is
-  pressed again while it waits: a call never returns with a worker still
-  running (and still changing weights or buffers);
-* :class:`InterruptGuard` — while a call runs on the main thread, Ctrl-C stops
-  it at once, except inside :meth:`InterruptGuard.deferred` sections (an
-  optimiser step, undoing a failed call), which it lets finish first.
+:class:`Exchange`: one mailbox per message, so a message wakes only the worker waiting for
+it and an abort wakes everyone. :class:`Pool`: one thread per worker; :meth:`Pool.join`
+returns only when every thread has ended, even if Ctrl-C is pressed again, so a call never
+returns with a worker still running. :class:`InterruptGuard`: Ctrl-C stops a call at once,
+except inside :meth:`InterruptGuard.deferred` sections (an optimiser step, an undo).
 """
 from __future__ import annotations
 

@@ -1,29 +1,14 @@
 """A pipeline schedule as data: an ordered list of actions per worker lane.
 
-One :class:`Schedule` feeds the executor (which runs it), the simulator (which
-times it) and the plots (which draw it), so a measured and a modeled timeline
-can differ only in *when* something ran, never in *what* ran *where*.
-
-Actions are written in torch.distributed.pipelining's notation,
-``"{stage}{kind}{micro_batch}"``: ``"2F0"`` is stage 2's forward of
-micro-batch 0, ``"2B0"`` its (full) backward, ``"2I0"``/``"2W0"`` the input-
-and weight-gradient halves of a split backward. ipukit adds ``"2S"``, stage 2's
-optimiser step that ends an iteration (torch's runtime steps outside its
-schedule, so :meth:`Schedule.to_torch` leaves steps out). torch's own parser
-(``_Action.from_str``) reads every other action ipukit writes.
-
-This module also owns the schedule's *rules* — which action waits for which —
-in :func:`walk`, the one dependency walk that the simulator (with or without a
-limit on cores), the lane order of stages sharing a virtual IPU and
-:meth:`Schedule.validate` all use. It imports nothing else from ipukit.
-
-Kinds:
-
-* ``"gpipe"`` — every forward of the accumulation window, then every backward;
-* ``"1f1b"`` — stage *s* runs N−1−s forwards, then alternates one forward and
-  one backward, then drains the backwards (torch's and Megatron's 1F1B);
-* ``"sharded"`` — one micro-batch at a time through all stages, one lane;
-* ``"inference"`` / ``"sharded-inference"`` — forwards only.
+One :class:`Schedule` feeds the executor, the simulator and the plots, so a measured and a
+modeled timeline can differ only in *when* something ran, never in *what* ran *where*.
+Actions use torch.distributed.pipelining's notation, ``"{stage}{kind}{micro_batch}"``
+(``"2F0"``, ``"2B0"``, the split backward's ``"2I0"``/``"2W0"``); ipukit adds ``"2S"``, the
+optimiser step that ends an iteration (:meth:`Schedule.to_torch` leaves steps out). The
+schedule's rules live in :func:`walk`, the one dependency walk the simulator, the lane order
+of stages sharing an IPU and :meth:`Schedule.validate` use. Kinds here: ``"gpipe"``,
+``"1f1b"``, ``"sharded"``, ``"inference"`` and ``"sharded-inference"`` (the modern ones are
+in :mod:`ipukit.schedules.generators`). It imports nothing else from ipukit.
 """
 from __future__ import annotations
 

@@ -146,17 +146,10 @@ class RowExchange:
 class SpanGather:
     """Every process's spans of a call on process 0, in one gather of a fixed-size tensor.
 
-    A span is nine numbers (its :class:`~ipukit.timeline.Event` fields, the kind as
-    an index); every process sends ``capacity`` rows, an upper bound on what any
-    process records in a call that is the same on all of them, so no sizes need
-    exchanging first (and nothing is pickled).
-
-    A process that measured its memory (:class:`~ipukit.runtime.memory_track.CallMemory`)
-    says so in its table's first row, and sends its tracks (pickled: a few thousand samples
-    at most) to process 0 once the gather is done; process 0 reads the flags and receives
-    from those processes only. So the processes need not agree on measuring (one may run
-    its call inside ``track_memory()`` and the others not), and a call that measures
-    nothing costs nothing more.
+    A span is nine numbers; every process sends ``capacity`` rows (a bound the same on all of
+    them), so no sizes are exchanged first. A process that measured its memory says so in its
+    first row and sends its tracks to process 0 after the gather, so the processes need not
+    agree on measuring.
     """
 
     KINDS = ("forward", "backward", "input-grad", "weight-grad", "step", "host", "transfer")

@@ -35,21 +35,13 @@ def gradient_sync(schedule, replicas: int, training: bool) -> Optional[str]:
 
 
 def without_sync(module: torch.nn.Module):
-    """DDP's ``no_sync()`` for a stage under DDP (nothing otherwise), for torch's shape
-    inference (:func:`~ipukit.distributed.stages.timed_stage_class` runs it in this).
+    """DDP's ``no_sync()`` for a stage under DDP (nothing otherwise), around torch's shape inference.
 
-    torch.distributed.pipelining infers a stage's shapes at the first step by
-    running its module once, outside the schedule's ``no_sync``. Under DDP that
-    forward leaves the reducer expecting a synchronised backward, so the step's
-    first backward (under ``no_sync``) all-reduces and records the parameters'
-    order. If the stage runs no forward between its first and its last backward
-    (GPipe; interleaved 1F1B; 1F1B with no more micro-batches than stages), the
-    last backward records the order again (4 entries for 2 parameters) and the
-    next step's first forward fails in the reducer's bucket rebuild (the
-    assertion :func:`gradient_sync` quotes); otherwise the extra all-reduce of
-    the first micro-batch only rounds (1F1B was 6e-8 from the threaded run).
-    With the inference under ``no_sync``, DDP reduced once per stage and step
-    in all of these, and ipukit's weights equal the threaded run's exactly.
+    torch.distributed.pipelining infers a stage's shapes by running its module once outside the
+    schedule's ``no_sync``; under DDP that leaves the reducer expecting a synchronised backward,
+    and a stage that runs no forward between its first and last backward (GPipe, interleaved
+    1F1B) then fails in the reducer's bucket rebuild at the next step. Inferring under
+    ``no_sync`` makes DDP reduce once per stage and step.
     """
     from torch.nn.parallel import DistributedDataParallel
 
