@@ -1,15 +1,10 @@
 """Model → stage modules that share parameters with the user's module.
 
-The model is traced once per input signature with
-``torch.distributed.pipelining.pipeline()``; the :class:`~ipukit.blocks.BlockRecorder`
-inserts ``pipe_split()`` wherever execution moves to another IPU, so the
-splitter cuts exactly at PopTorch's stage boundaries. The resulting stage
-modules hold the user's own ``Parameter`` objects (no copies), so an optimiser
-built on the user's model updates the stages, and an inference model of the
-same module sees every training step.
-
-A model whose trace has one stage is not cut at all: it runs eagerly as one
-stage, so models that cannot be traced still work unpartitioned.
+The model is traced once per input signature with ``torch.distributed.pipelining.pipeline()``;
+the block recorder inserts ``pipe_split()`` wherever execution moves to another IPU. The
+stage modules hold the user's own ``Parameter`` objects, so an optimiser built on the user's
+model updates them and an inference model of the module sees every step. A model whose trace
+has one stage runs eagerly, uncut, so models that cannot be traced still work.
 """
 from __future__ import annotations
 

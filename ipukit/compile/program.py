@@ -1,16 +1,11 @@
 """The compiled state of a model: one :class:`Program`, read by every other module.
 
-Compiling (:mod:`ipukit.compiler`) turns a model, its Options and a first batch
-into a ``Program``: the partition into stages, how tensors route between them
-and to the host, the torch device of each virtual IPU, the schedule of a call,
-its batching and output selection, the input signature it was compiled for (a
-call with other inputs gets a new Program: the wrapper recompiles), the inputs
-the model changes in place, and the parameter and buffer tensors its stages
-hold. The executor, the memory and profile reports, the split balancer and
-the widgets read it through these public fields — nothing reads a model
-wrapper's private attributes. A Program never changes once built; replicas'
-own copies of stage modules (``replica_modules``) and what the runtime works out
-once per program (``runtime_cache``) are the caches it fills.
+Compiling turns a model, its Options and a first batch into a ``Program``: the stages, how
+tensors route between them and the host, each virtual IPU's device, the schedule, batching
+and output selection, the input signature (other inputs recompile), the inputs the model
+changes in place and the tensors its stages hold. Runtimes, reports and widgets read these
+public fields, never a wrapper's private attributes. A Program never changes once built;
+``replica_modules`` and ``runtime_cache`` are the caches it fills.
 """
 from __future__ import annotations
 
@@ -108,14 +103,10 @@ class Program:
     def prepare_replicas(self, replicas: int, broadcast: bool = True) -> None:
         """Give replicas 1.. their own buffers, starting from the host's (replica 0's).
 
-        Replicas share the weights, but each has its own buffers (BatchNorm
-        statistics), as each IPU replica had: a replica's statistics see only
-        its own micro-batches, and replicas never race on one tensor. Replica 0
-        runs the user's modules, so the host keeps replica 0's statistics.
-        Called before each call's workers start: copies are made once, then
-        refreshed from the host (``broadcast``, PopTorch's ``broadcastBuffers(True)``), so
-        they never go stale; with ``broadcast=False`` each replica keeps its own buffers
-        from call to call, as IPU replicas did.
+        Replicas share the weights but each has its own buffers (BatchNorm statistics), as IPU
+        replicas had; replica 0 runs the user's modules. Copies are made once, then refreshed from
+        the host before each call (``broadcast``, PopTorch's ``broadcastBuffers(True)``); with
+        ``broadcast=False`` each replica keeps its own from call to call.
         """
         if replicas <= 1:
             return

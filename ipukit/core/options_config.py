@@ -1,13 +1,10 @@
 """Options from text: PopTorch's config files (``Options.loadFromFile``) and JSON.
 
-A config file has one setter call per line, written as in Python without the
-``options.`` prefix (``deviceIterations(10)``, ``Training.gradientAccumulation(4)``,
-``outputMode(poptorch.OutputMode.All)``,
-``setExecutionStrategy(poptorch.ShardedExecution())``); ``#`` starts a comment.
-PopTorch ``exec``-ed the file; ipukit parses each line and accepts as arguments
-only literals, enum names and PopTorch's option objects (:data:`OBJECTS`, built
-with literal arguments, then their public methods such as ``Stage("B1").ipu(0)``),
-so a config file cannot run other code.
+One setter call per line as in Python without ``options.`` (``deviceIterations(10)``,
+``Training.gradientAccumulation(4)``, ``setExecutionStrategy(poptorch.ShardedExecution())``);
+``#`` starts a comment. PopTorch ``exec``-ed the file; ipukit parses each line and accepts
+only literals, enum names and PopTorch's option objects (:data:`OBJECTS`), so a config file
+cannot run other code.
 """
 from __future__ import annotations
 

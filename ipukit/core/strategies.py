@@ -1,15 +1,9 @@
 """Execution strategies: how blocks are grouped into stages and placed on IPUs.
 
-PopTorch's rules, kept here:
-
-* a :class:`Stage` groups one or more blocks and may pin them to an IPU;
-* with no explicit stages, :class:`~ipukit.AutoStage` decides the stage id of
-  each block (its ``ipu_id``, or an incrementing counter);
-* a pipeline stage starts every time execution moves to another IPU, so
-  consecutive blocks on the same IPU form one pipeline stage.
-
-The classes here only *describe* the grouping; :mod:`ipukit.blocks` applies it
-while the model is traced and :mod:`ipukit.partition` splits the trace.
+PopTorch's rules: a :class:`Stage` groups blocks and may pin them to an IPU; without explicit
+stages :class:`~ipukit.AutoStage` gives each block its stage id; a pipeline stage starts
+whenever execution moves to another IPU. The classes only *describe* the grouping; blocks
+apply it while the model is traced, and the partition splits the trace.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The work of one action: a stage's forward or backward of one micro-batch.
 
-Forwards take their inputs from the model's inputs or from earlier stages'
-mailboxes and publish their outputs to later stages; backwards take the
-gradients later stages sent back, run ``torch.autograd.grad`` over this stage
-only, add the parameter gradients to the stage's own accumulator, and send the
-input gradients on. Each returns the span it measured: from "inputs all
-received" to "outputs computed", so waiting for another stage is never counted
-as work.
+Forwards take their inputs from the model's inputs or earlier stages' mailboxes and publish
+their outputs; backwards take the gradients sent back, run ``torch.autograd.grad`` over this
+stage, add the parameter gradients to the stage's accumulator and send the input gradients
+on. Each returns the span it measured, from "inputs received" to "outputs computed".
 """
 from __future__ import annotations
 

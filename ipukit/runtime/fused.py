@@ -1,15 +1,9 @@
 """The single-thread backward: one autograd pass for every stage of a micro-batch.
 
-When one thread runs every stage of a micro-batch in turn (a sharded model, or
-one worker for the whole call), the stages' autograd graphs stay connected and
-one backward pass serves them all, as in a plain PyTorch loop. Gradient hooks
-at the stage boundaries note when each stage's share began, so the timeline
-still shows one backward span per stage.
-
-A lane that runs each micro-batch whole before the next (``Schedule.chained``: a
-sharded call) goes further with :class:`Chain`: the stages' modules run one after
-another with their outputs passed straight on, and one ``backward()`` from the loss adds
-into ``p.grad``, as a plain loop's ``loss.backward()`` does.
+When one thread runs every stage of a micro-batch in turn, the stages' graphs stay connected
+and one backward serves them all, as in a plain loop (hooks at the stage boundaries keep one
+backward span per stage on the timeline). A chained lane (a sharded call) goes further with
+:class:`Chain`.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The weight update, and undoing a call: reduce, unscale, step in float32, offload, snapshot.
 
-After an iteration's pipeline has flushed, the host combines every stage's
-(and replica's) accumulated gradients — Mean or Sum, PopTorch's reduction —
-removes the loss scaling, and steps the optimiser once, as PopART's weight
-update did. Half-precision weights step in float32 with float32 optimiser
-state, as PopTorch's optimisers did; offloaded optimiser state lives in host
-memory between steps.
+After an iteration's flush the host combines every stage's and replica's accumulated
+gradients (PopTorch's Mean or Sum), removes the loss scaling and steps the optimiser once,
+as PopART's weight update did; half-precision weights step in float32 with float32 state,
+and offloaded optimiser state lives in host memory between steps.
 """
 from __future__ import annotations
 

@@ -44,16 +44,11 @@ class Event(NamedTuple):
 class MemoryTrack:
     """Bytes really alive on one virtual IPU over a call, measured (see ``ipukit.runtime.memory_track``).
 
-    ``samples`` are (seconds from the call's start, bytes alive), one at each allocation or
-    release, coalesced (the peak always kept); ``baseline`` the bytes alive when the call
-    started (parameters, buffers, optimiser state), ``peak`` the most at once (at
-    ``peak_time``), ``end`` what was left when it ended. ``parts``: the baseline's parts
-    (``parameters``, ``buffers``, ``optimizer_state``, ``gradients``) in bytes.
-    ``allocator_peak``: ``torch.cuda.max_memory_allocated`` of the IPU's GPU over the call
-    (None off GPU; every stage on that GPU shares it). ``rss_peak``: off GPU, the process's
-    peak resident set size (``ru_maxrss``, bytes) before and after the call — a high-water
-    mark over the process's life, shared by every track of that process (with stages as
-    processes, one process per virtual IPU). ``ipu`` -1: one thread ran every IPU.
+    ``samples``: (seconds from the call's start, bytes alive), coalesced, the peak kept;
+    ``baseline`` (alive at the start), ``peak`` (at ``peak_time``), ``end``; ``parts``: the
+    baseline's parts in bytes. ``allocator_peak``: ``torch.cuda.max_memory_allocated`` over the
+    call (GPU only); ``rss_peak``: off GPU, the process's peak resident set size before and after
+    the call. ``ipu`` -1: one thread ran every IPU.
     """
 
     ipu: int

@@ -301,15 +301,11 @@ def activation_bytes(model) -> List[int]:
 def stage_tensor_bytes(model, inputs: Optional[Sequence[torch.Tensor]] = None) -> List[Dict[str, Any]]:
     """Per stage, what one micro-batch's forward really keeps, measured: bytes by kind.
 
-    Runs one micro-batch (``inputs``: the model's tensor inputs for one micro-batch, in
-    order; default synthetic ones) through the stage modules as the executor does —
-    a stage that recomputes (:func:`ipukit.recomputation_checkpoint`) under
-    ``torch.utils.checkpoint`` — and counts, without duplicates: ``saved_bytes``, what
-    autograd saves for the backward (``torch.autograd.graph.saved_tensors_hooks``);
-    ``input_bytes`` / ``output_bytes``, the stage's inputs and outputs the executor
-    stashes; ``held_bytes``, all of them together; ``sent_bytes``, the activations sent
-    to stages on other virtual IPUs (the hand-off; its gradient comes back at the same
-    size). Parameters and buffers are not counted. Weights, buffers and the random state
+    Runs one micro-batch (``inputs``; default synthetic) through the stage modules as the
+    executor does (a recomputing stage under ``torch.utils.checkpoint``) and counts, without
+    duplicates: ``saved_bytes`` (what autograd saves), ``input_bytes`` / ``output_bytes`` (what
+    the executor stashes), ``held_bytes`` (all of them), ``sent_bytes`` (activations handed to
+    other IPUs). Parameters and buffers are not counted; weights, buffers and the random state
     are left as they were.
     """
     from torch.utils.checkpoint import checkpoint

@@ -1,15 +1,9 @@
 """What ``ipukit.DataLoader`` loads in a process of a launched run.
 
-Every process of one pipeline (one replica) must see the same combined batches
-— its stages cut the same micro-batches — and each data-parallel instance its
-own part of the dataset: instance *i* of *R* takes the *i*-th contiguous share
-of a permutation drawn from ``Options.randomSeed`` (0 when unset, so that every
-process draws the same one), a new permutation each pass. Every share holds the
-same whole number of batches, so no pipeline runs a call its peers do not.
-
-A process holds one replica, so its combined batch is
-``batch_size × deviceIterations × gradientAccumulation`` (PopTorch's instance
-with one local replica); the run's batch is that × ``replicationFactor``.
+Every process of one replica sees the same combined batches; data-parallel instance *i* of
+*R* takes the *i*-th contiguous share of a permutation drawn from ``Options.randomSeed``
+(0 when unset), a new one each pass, every share the same whole number of batches. A
+process's combined batch is ``batch_size × deviceIterations × gradientAccumulation``.
 """
 from __future__ import annotations
 

@@ -180,14 +180,8 @@ def timed_stage_class():
 
 def receive_buffers(stages: Sequence) -> List[torch.Tensor]:
     """What torch's ``PipelineStage`` keeps between steps to receive into: a buffer per
-    micro-batch for each input activation and each output gradient (made at its first
-    step, written in place by every receive after; from a stage of the same process, the
-    sender's tensor itself, until the next one replaces it), and the input gradients a
-    split backward leaves in those buffers' ``.grad`` (dropped at the next step's start).
-
-    A measured process counts them in its baseline (:mod:`ipukit.runtime.memory_track`):
-    they are alive for as long as the stage, where on threads a received tensor lives
-    only until its consumer is done with it.
+    micro-batch for each input activation and output gradient, and the input gradients a split
+    backward leaves in their ``.grad``. A measured process counts them in its baseline.
     """
     out = []
     for stage in stages:
