@@ -30,7 +30,6 @@ from .core.enums import OutputMode
 from .core.errors import (Error, InputShapeError, ModelStateError, OptionsError,
                           PipelineConfigError, UnsupportedError)
 from .runtime.executor import CallRunner, StateSnapshot
-from .runtime import host_memory
 from .core.options import Options
 from .compile.program import Program
 from .timeline.events import Event, Timeline
@@ -259,7 +258,6 @@ class PoplarExecutor:
         d["_watch"] = TensorWatch(model)       # the module's tensors the program holds
         d["_destroyed"] = False
         d["_snapshot"] = StateSnapshot()
-        d["_keeps_memory"] = None              # decided at the first call (host_memory)
         d["runtime_state"] = {}                # the process runtime's; forgotten by destroy()
         if training:
             _TRAINING_WRAPPERS[model] = weakref.ref(self)
@@ -365,9 +363,6 @@ class PoplarExecutor:
     # -- calls ------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         t_call = time.perf_counter()
-        if self._keeps_memory is None:    # Options.keepHostMemory / IPUKIT_KEEP_HOST_MEMORY
-            self._keeps_memory = host_memory.wanted(self._options.keep_host_memory)
-            host_memory.keep_freed_memory(self._keeps_memory)
         if kwargs:
             kwargs = self._inputs.ordered_kwargs(kwargs)
         if self._options.Distributed.numProcesses > 1:  # launched by ipukit-run / torchrun

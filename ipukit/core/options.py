@@ -317,7 +317,7 @@ class Options(_IgnoredGroup):
     ipukit's additions: ``pipelineSchedule`` (``"1F1B"``, ``"GPipe"``,
     ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBH1"``, ``"ZBV"``, ``"DualPipeV"``),
     ``deviceMapping``, ``cpuThreadsPerIpu``, ``recordTimeline``, ``profileDir``,
-    ``trackMemory``, ``keepHostMemory``, ``stallTimeout``.
+    ``trackMemory``, ``stallTimeout``.
 
     Accepted for compatibility with **no effect** (recorded under ``"ignored"`` in
     ``toDict()``): ``enableExecutableCaching``, ``useIpuModel``, ``autoRoundNumIPUs``,
@@ -357,7 +357,6 @@ class Options(_IgnoredGroup):
         self.cpu_threads_per_ipu: Optional[int] = None
         self.record_timeline = True
         self.track_memory = False
-        self.keep_host_memory = False
         self.broadcast_buffers = True
         self.profile_dir: Optional[str] = None
         self.stall_timeout: Optional[float] = DEFAULT_STALL_TIMEOUT
@@ -457,7 +456,6 @@ class Options(_IgnoredGroup):
                 "record_timeline": self.record_timeline,
                 "profile_dir": self.profile_dir,
                 "track_memory": self.track_memory,
-                "keep_host_memory": self.keep_host_memory,
                 "stall_timeout": self.stall_timeout,
                 "model_name": self.model_name,
             },
@@ -484,7 +482,7 @@ class Options(_IgnoredGroup):
         items += [("execution_strategy", self._execution_strategy)]
         items += [(k, getattr(self, k)) for k in (
             "pipeline_schedule", "device_mapping", "cpu_threads_per_ipu", "record_timeline",
-            "profile_dir", "track_memory", "keep_host_memory", "stall_timeout", "model_name")]
+            "profile_dir", "track_memory", "stall_timeout", "model_name")]
         items += list(self._ignored.items())
         return items + sorted((k, v) for k, v in self.__dict__.items()
                               if isinstance(v, _OptionGroup))
@@ -668,23 +666,6 @@ class Options(_IgnoredGroup):
         if not isinstance(enabled, bool):
             raise OptionsError(f"trackMemory({enabled!r}): expected True or False.")
         self.track_memory = enabled
-        return self
-
-    def keepHostMemory(self, enabled: bool = True) -> "Options":
-        """ipukit: keep the host memory freed between passes for the next ones, as a device
-        keeps its memory (off by default: it changes the whole process's allocator, for
-        good, at the first call of a model with it on).
-
-        On Linux with glibc, a call with many micro-batches in flight otherwise hands the
-        pages of each freed activation back to the system and faults fresh ones in for the
-        next, a cost no pass timed alone shows (:mod:`ipukit.runtime.host_memory`). Kept,
-        the process holds its peak of host memory until it exits.
-        ``IPUKIT_KEEP_HOST_MEMORY=1`` turns it on for every model, ``0`` off for every
-        model."""
-        self._check_not_frozen(f"keepHostMemory({enabled!r})")
-        if not isinstance(enabled, bool):
-            raise OptionsError(f"keepHostMemory({enabled!r}): expected True or False.")
-        self.keep_host_memory = enabled
         return self
 
     def stallTimeout(self, seconds: Optional[float]) -> "Options":
