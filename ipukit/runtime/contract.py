@@ -36,12 +36,8 @@ def action_note(action, ipu, replica: int) -> str:
 def step_events(stage_ipus: Iterable[Tuple[int, int]], replicas: Sequence[int], iteration: int,
                 call: int, t_start: float, t_opt: float, t_end: float,
                 transfers: Sequence[Tuple[float, float]] = (), t0: float = 0.0) -> List[Event]:
-    """The optimiser step of one iteration as the timeline draws it.
-
-    The step runs once on the host for the stages it updates (``stage_ipus``: (stage,
-    ipu) pairs), so it is drawn on each of their virtual IPUs for each of ``replicas``;
-    the gradient scaling before it is host time, and optimiser-state moves (offload) are
-    transfers. Times are absolute; ``t0`` is the call's clock origin.
+    """The optimiser step of one iteration as the timeline draws it: once on the host, drawn on
+    each virtual IPU of the stages it updates (``stage_ipus``) for each of ``replicas``.
     """
     pairs = list(stage_ipus)
     replica0 = replicas[0] if replicas else 0

@@ -48,12 +48,10 @@ def default_threads(workers: int) -> int:
 def worker_cores(workers: int) -> Optional[List[int]]:
     """The core each of ``workers`` worker threads is pinned to, or None: not pinned.
 
-    Only with more workers than the cores this process may use (Linux): worker ``i`` then
-    runs on core ``i`` mod the cores, so neighbouring lanes (stages that hand tensors to
-    each other) sit on different cores. Left to the scheduler, a woken worker is placed
-    beside the one that woke it and waits there while another core idles. With no more
-    workers than cores they are left free. ``IPUKIT_PIN_WORKERS=0`` turns it off. Pinning
-    sets the affinity of the worker threads alone, never of the calling thread."""
+    Only with more workers than usable cores (Linux): worker ``i`` runs on core ``i`` mod the
+    cores, so neighbouring lanes sit on different cores. ``IPUKIT_PIN_WORKERS=0`` turns it off;
+    the calling thread is never pinned.
+    """
     if not hasattr(os, "sched_setaffinity") or os.environ.get("IPUKIT_PIN_WORKERS") == "0":
         return None
     cores = sorted(os.sched_getaffinity(0))
@@ -132,13 +130,10 @@ class CallRunner:
 
     @contextlib.contextmanager
     def host_threads(self):
-        """While the calling thread does the host's work of a call with worker threads
-        (the undo copy, the steps between iterations, gathering the outputs), it runs with
-        a worker's intra-op threads, and gets its own back after.
-
-        With the caller's own (all the cores), an OpenMP parallel region on the calling
-        thread beside or between the workers' competes with them for the cores and can
-        cost far more than its work (the undo copy, the gradient reduction and step)."""
+        """While the calling thread does the host's work of a call with worker threads, it runs with a
+        worker's intra-op threads (so its OpenMP regions do not compete with the workers), and gets
+        its own back after.
+        """
         if self.threads_each is None:
             yield
             return
@@ -184,10 +179,8 @@ class CallRunner:
                                        t_start, t_opt, t_end, transfers, self.t0))
 
     def run(self, snapshot: Optional[update.StateSnapshot] = None) -> None:
-        """Execute the whole call; on any failure, stop and join every worker, then restore.
-
-        Raises the first error (a worker's, the step's, or Ctrl-C) once the
-        state is as it was before the call.
+        """Execute the whole call; on any failure stop and join every worker, restore the state, and
+        raise the first error.
         """
         with self.guard, running_on_ipu(), self.host_threads():
             try:
@@ -238,11 +231,8 @@ class CallRunner:
                 torch.set_num_threads(previous)
 
     def _run_threads(self) -> None:
-        """One thread per (replica, lane); the calling thread steps between iterations.
-
-        The calling thread only ever waits with short timeouts, so Ctrl-C is
-        seen promptly; the pool then stops the workers between actions and
-        joins every one of them before anything else happens.
+        """One thread per (replica, lane); the calling thread steps between iterations and waits with
+        short timeouts, so Ctrl-C is seen promptly.
         """
         schedule, training = self.schedule, self.plan.training
         iterations = self._iterations()

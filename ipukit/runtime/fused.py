@@ -96,12 +96,10 @@ def by_action() -> bool:
 
 @contextmanager
 def action_by_action():
-    """Calls on this thread run action by action, never as a :class:`Chain` nor with one
-    :class:`FusedBackward` for every stage: each pass timed on its own, its backward an
-    autograd call of its own, with the bookkeeping a pipelined call's passes pay (what
-    :func:`ipukit.calibrate` measures). With one backward from the loss, the last stage's
-    span held the engine's walk of the whole model's graph, many times its own pass,
-    and the model charged that to every pipelined call's last stage."""
+    """Calls on this thread run action by action (never as a :class:`Chain` nor one fused
+    backward), each pass timed on its own with the bookkeeping a pipelined call's passes pay:
+    what :func:`ipukit.calibrate` measures.
+    """
     previous = getattr(_ACTION_BY_ACTION, "on", False)
     _ACTION_BY_ACTION.on = True
     try:
@@ -169,10 +167,9 @@ class Chain:
 
     @staticmethod
     def _parts(plan, first_row) -> tuple:
-        """Per stage: its module, where each argument comes from, tuple output, the module
-        when it recomputes, its outputs the host keeps; and the tensors other than the
-        trainable parameters that could want a gradient (constant arguments, the stages'
-        other parameters, their buffers)."""
+        """Per stage: its module, its arguments' sources, its outputs, and the tensors besides the
+        trainable parameters that could want a gradient.
+        """
         layout, others = [], []
         wanted = {id(p) for params in plan.trainable for p in params}
         for st in plan.partition.stages:
@@ -199,10 +196,9 @@ class Chain:
 
     @staticmethod
     def fits(runner, schedule, memory) -> bool:
-        """Whether this call can run as a chain: one thread, a chained schedule, gradients
-        into ``p.grad`` (:attr:`FusedBackward.grads_in_params`), no memory tracker (it
-        measures the action-by-action path), and a timeline on CUDA only where every stage is
-        on the one GPU (its readings are CUDA events on that device's stream)."""
+        """Whether this call can run as a chain: one thread, a chained schedule, gradients into
+        ``p.grad``, no memory tracker, and on CUDA every stage on one GPU.
+        """
         fused, plan = runner.fused, runner.plan
         devices = {plan.device_of(s) for s in range(plan.partition.num_stages)}
         return (fused is not None and fused.grads_in_params and schedule.chained
@@ -306,11 +302,10 @@ class Chain:
 
 def chain_events(records: list, ipus: List[int], t0: float, call_index: int,
                  seconds=None) -> List[Event]:
-    """A :class:`Chain`'s micro-batches as events: each forward between consecutive clock
-    readings; each stage's share of a hooked micro-batch's backward from its successor's
-    end to its own, and of every other micro-batch's backward in the proportions the hooked
-    ones measured (on average). ``seconds``: what turns a reading into a time, where the
-    readings are CUDA events (after the GPU has finished)."""
+    """A :class:`Chain`'s micro-batches as events: forwards between consecutive clock readings,
+    backwards split per stage as the hooked micro-batches measured. ``seconds`` turns a reading
+    into a time.
+    """
     n, events = len(ipus), []
     if seconds is not None:
         def at(e):

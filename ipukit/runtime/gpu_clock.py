@@ -62,11 +62,9 @@ class GpuClock:
 
 
 def settle(tensors) -> None:
-    """Wait for the GPU work queued on the devices ``tensors`` live on (none on a CPU).
-
-    A host clock read after a launch says when the work was queued; timing a piece of
-    GPU work alone with the host's clock (the calibration's measurements outside a call)
-    needs the queue empty at both ends."""
+    """Wait for the GPU work queued on the devices ``tensors`` live on (none on a CPU), so the
+    host clock can time a piece of GPU work alone.
+    """
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     for device in devices:
         torch.cuda.synchronize(device)

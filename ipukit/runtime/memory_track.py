@@ -60,13 +60,8 @@ def tracking(plan=None) -> bool:
 
 @contextmanager
 def untracked():
-    """Inside, on a thread being tracked (:meth:`CallMemory.thread`), operations count on no
-    virtual IPU; elsewhere nothing changes.
-
-    For the host's own work done on a tracked thread: with stages as processes, the undo
-    copy of the weights is taken mid-call on the thread that runs the stages (where it
-    waits for a peer anyway); on threads it is taken before the call, outside any tracker.
-    An in-place copy into the copy kept from the last call would otherwise count it.
+    """Inside, on a tracked thread, operations count on no virtual IPU (the host's own work done
+    there, e.g. the undo copy with stages as processes); elsewhere nothing changes.
     """
     mode = getattr(_here, "mode", None)
     if mode is None or mode.track is None:
@@ -247,11 +242,8 @@ class CallMemory:
         return release
 
     def saw(self, track: _Track, out) -> None:
-        """An operation on ``track``'s thread returned ``out``: count its storages there.
-
-        A storage first counted on another IPU (a received activation) is *borrowed*: it
-        counts here while a tensor this IPU's operations returned on it lives, not until
-        the storage itself is freed (the producer may keep it much longer).
+        """An operation on ``track``'s thread returned ``out``: count its storages there (one first
+        counted on another IPU is *borrowed*: it counts here while a tensor returned here lives).
         """
         if isinstance(out, torch.Tensor):
             s = _storage(out)
@@ -300,10 +292,8 @@ class CallMemory:
 
     @contextmanager
     def thread(self, replica: int, ipu: Optional[int]):
-        """Count what this thread's operations allocate on ``(replica, ipu)``.
-
-        ``ipu`` None: one thread runs every virtual IPU (a sharded call inline), so
-        everything counts on one track for all of them (ipu -1).
+        """Count what this thread's operations allocate on ``(replica, ipu)`` (``ipu`` None: one
+        thread runs every IPU, one track -1).
         """
         key = (replica, -1 if ipu is None else ipu)
         if key not in self.tracks:
@@ -364,11 +354,8 @@ class CallMemory:
 
 
 def peak_rss() -> Optional[int]:
-    """The process's peak resident set size so far, in bytes (None where unknown).
-
-    ``getrusage``'s ``ru_maxrss`` (KiB on Linux, bytes on macOS): a high-water mark over
-    the process's life, never reset here (resetting it is process-wide), so a call's figure
-    is the pair before and after it: ``after > before`` says the call raised the peak.
+    """The process's peak resident set size so far, in bytes (None where unknown): a high-water
+    mark over the process's life, so a call's figure is the pair before and after it.
     """
     try:
         import resource
@@ -380,10 +367,8 @@ def peak_rss() -> Optional[int]:
 
 def coalesce(samples: List[Tuple[float, int]], keep: Optional[float] = None,
              resolution: float = 20e-6, most: int = 4000) -> List[Tuple[float, int]]:
-    """Fewer (t, bytes) samples, same shape: per time bucket its highest and its last level.
-
-    The bucket is ``resolution`` seconds, widened so that at most about ``most`` samples
-    remain; the sample at ``keep`` (the peak) is always kept.
+    """Fewer (t, bytes) samples, same shape: per time bucket its highest and last level, about
+    ``most`` samples in all, the sample at ``keep`` (the peak) always kept.
     """
     if len(samples) <= 2:
         return list(samples)

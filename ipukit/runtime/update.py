@@ -19,11 +19,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def precision(optimizer) -> Tuple[float, bool]:
-    """(loss scaling, accumulate half-precision gradients in float32) for ``optimizer``.
-
-    PopTorch's optimisers take ``loss_scaling`` (default 1) and accumulate
-    gradients in ``accum_type`` (default float32) whatever the weights' type;
-    plain torch.optim optimisers get those defaults too.
+    """(loss scaling, accumulate half-precision gradients in float32) for ``optimizer`` (PopTorch's
+    defaults 1 and float32 for plain torch.optim optimisers).
     """
     args = getattr(optimizer, "ipu_arguments", None) or {}
     scaling = float(args.get("loss_scaling", 1.0))
@@ -32,12 +29,7 @@ def precision(optimizer) -> Tuple[float, bool]:
 
 @contextmanager
 def float32_update(params):
-    """Step half-precision weights in float32, then round them back.
-
-    The optimiser then creates and keeps its state (Adam's moments, momentum)
-    in float32: in half precision, Adam's eps (1e-8) rounds to 0 and a zero
-    gradient turns a weight into NaN.
-    """
+    """Step half-precision weights in float32 (with float32 optimiser state), then round them back."""
     low = [(p, p.dtype) for p in params if p.dtype in LOW_PRECISION]
     for p, _ in low:
         p.data = p.data.float()

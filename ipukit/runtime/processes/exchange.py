@@ -72,11 +72,8 @@ def flag_of(buffer: torch.Tensor) -> int:
 
 
 class RowExchange:
-    """Brings every process of a replica the replica's rows.
-
-    ``producers``: the ranks, in ``group``, of the processes whose stages produce
-    model outputs (the same list on every process); ``me``: this process's rank
-    in ``group``. :meth:`__call__` is a collective of the group.
+    """Brings every process of a replica the replica's rows; ``producers`` are the ranks in
+    ``group`` whose stages produce outputs. :meth:`__call__` is a collective of the group.
     """
 
     def __init__(self, producers: Sequence[int], group, me: int) -> None:

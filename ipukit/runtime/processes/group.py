@@ -116,10 +116,8 @@ _REBUILT = {"store": None, "count": 0}
 
 
 def teardown_process_group() -> None:
-    """Tear the process group down after a stopped call; the next call builds a fresh one.
-
-    The rendezvous store is kept (torchrun's, or the first group's): the new group joins
-    under a prefix of its own, so no key of the old group is read again.
+    """Tear the process group down after a stopped call; the next call builds a fresh one under a
+    prefix of its own in the kept rendezvous store.
     """
     import torch.distributed as dist
 
@@ -146,10 +144,9 @@ _UNCAUGHT = {"failed": False, "armed": False}
 
 def _exit_without_finalizing() -> None:
     """After a group was torn down, end the process at exit without the interpreter's
-    finalization: destroying the torn-down gloo group's objects then can abort the process
-    ("terminate called without an active exception", seen in about 1 exit in 4 after a
-    stall). Standard streams and logging are flushed first; the exit status is 1 after an
-    uncaught exception, else 0."""
+    finalization (destroying the torn-down gloo group then can abort the process); streams are
+    flushed, the status is 1 after an uncaught exception, else 0.
+    """
     import atexit
     import logging
 
@@ -177,10 +174,9 @@ def default_store():
 
 
 def cut_connections() -> int:
-    """Shut this process's process-group connections (every established TCP socket except
-    the rendezvous store's), so that a wait for a peer ends at once with an error, here
-    and on the peers. gloo has no way to end a pending receive from another thread (its
-    ``abort()`` returns and leaves it waiting). Linux only; returns the sockets shut."""
+    """Shut this process's process-group sockets (all but the rendezvous store's), so a wait for a
+    peer ends at once here and on the peers (gloo cannot end a pending receive). Linux only.
+    """
     import socket
 
     port = int(os.environ.get("MASTER_PORT", "0") or 0)
@@ -239,11 +235,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def note_failure(exc: BaseException, uncaught: bool = False) -> None:
-    """Tell the peers (through the rendezvous store) that this rank failed, and why.
-
-    Under ipukit-run, an exception that ends the process is also written to
-    ``IPUKIT_FAILURE_DIR``, so the launcher names the process that failed first;
-    errors a script catches (and goes on from) are not.
+    """Tell the peers (through the store) that this rank failed, and why; under ipukit-run an
+    exception that ends the process is also written to ``IPUKIT_FAILURE_DIR`` for the launcher.
     """
     import torch.distributed as dist
 

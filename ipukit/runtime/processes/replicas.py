@@ -51,11 +51,8 @@ def without_sync(module: torch.nn.Module):
 
 
 def under_ddp(body: torch.nn.Module, dp_group, device: torch.device) -> torch.nn.Module:
-    """``body`` under DDP in the ``dp`` group (``body`` unchanged when nothing in it trains).
-
-    Every process already holds replica 0's weights and buffers, so DDP syncs
-    nothing at init, and not the buffers at each forward: replicas start each
-    call from replica 0's buffers, broadcast once per call by the runtime.
+    """``body`` under DDP in the ``dp`` group (unchanged when nothing in it trains); every process
+    holds replica 0's weights and buffers already, so DDP syncs nothing at init or forward.
     """
     if not any(p.requires_grad for p in body.parameters()):
         return body

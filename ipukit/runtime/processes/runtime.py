@@ -90,11 +90,8 @@ def _is_compiled(model) -> bool:
 
 
 def _compile(model, args, kwargs) -> None:
-    """Compile ``model`` for one process's share of a call.
-
-    A process holds one replica's combined batch (micro-batch × DI × GA); the
-    model compiles for the whole run's batching, so the inputs are repeated
-    once per replica for the compile only (it traces one micro-batch).
+    """Compile ``model`` for one process's share of a call (the inputs repeated once per replica,
+    since the model compiles for the whole run's batching).
     """
     replicas = model.options.replication_factor
 
@@ -175,13 +172,8 @@ class _Layout:
 
 
 class _Recorder:
-    """This process's measured spans, against one clock shared by every process.
-
-    The clock is set when the processes leave a barrier together; each call's
-    timeline starts at the earliest process's call. On CUDA an action's start and
-    end are CUDA events (:class:`~ipukit.gpu_clock.GpuClock`), turned into host
-    times by :meth:`resolve` once per call: no synchronisation per action, which
-    would stop the host from queueing ahead and change what the timeline measures.
+    """This process's measured spans, against one clock shared by every process (set as they leave
+    a barrier together); on CUDA the spans are CUDA events resolved once per call.
     """
 
     def __init__(self, c: Compiled, layout: _Layout) -> None:
@@ -235,10 +227,7 @@ class _Recorder:
                                    t0=self.t0)
 
     def finish(self, parts: Callable[[], list], flat: Sequence) -> None:
-        """This call's timeline, from ``parts`` (gives (events, call start, memory tracks)
-        per process: every process's on process 0, this one's elsewhere), built when first
-        read: most calls' timelines are never looked at, and building one costs a few
-        tenths of a millisecond, each call, on the pipeline's last process to finish."""
+        """This call's timeline, built from ``parts`` when first read (most are never read)."""
         samples = next((v.shape[0] for v in flat if isinstance(v, torch.Tensor) and v.dim() > 0),
                        0)
         call, built = self.call_index, []
@@ -348,10 +337,8 @@ class _Runtime:
         return self.recorder.timeline
 
     def run(self, flat: list) -> Any:
-        """One call: this replica's outputs, as one process would return them.
-
-        If it fails (here, or on another process), or is interrupted, this process's
-        weights, buffers and optimiser state are restored to what they were before it.
+        """One call: this replica's outputs; on a failure anywhere, or an interrupt, this process's
+        weights, buffers and optimiser state are restored.
         """
         c = self.compiled
         # weights change only at the optimiser step: where this process soon waits for a
@@ -439,13 +426,8 @@ class _Runtime:
         return result
 
     def _memory(self, micro: List[list]) -> Optional[memory_track.CallMemory]:
-        """This call's memory account of this process's virtual IPU, when memory is tracked
-        (and the timeline that carries it is recorded), else None.
-
-        As on threads, the step (on the host there) is not counted, only the optimiser state
-        it leaves; unlike threads, the baseline holds torch's receive buffers
-        (:func:`~ipukit.runtime.processes.stages.receive_buffers`). Pass transients are not
-        calibrated here: that runs every stage in one process (the threads' executor).
+        """This call's memory account of this process's virtual IPU when memory is tracked, else None
+        (the baseline holds torch's receive buffers).
         """
         c, lay = self.compiled, self.layout
         if not (self.recorder.on and memory_track.tracking(c.program)):
@@ -471,13 +453,8 @@ class _Runtime:
 
 
 def idle_point(lane: Sequence) -> Optional[Tuple[int, int]]:
-    """(stage, micro-batch) of the forward after which this process first waits for a peer.
-
-    A process whose actions begin with forwards of stage 0 (which reads only model
-    inputs) runs them at once, then waits for the next stage's results (its first
-    backward, or a later stage's input): copying the weights there costs no time on
-    the pipeline's critical path, where copying them before the call delayed its
-    first forward. Any other process waits from the start (None: copy at once).
+    """(stage, micro-batch) of the forward after which this process first waits for a peer: the
+    undo copy of the weights goes there, off the critical path (None: copy at once).
     """
     last = None
     for a in lane:
@@ -544,11 +521,8 @@ def _check_supported(model) -> None:
 
 
 def maybe_run(model, args: tuple, kwargs: dict):
-    """Run one call of ``model`` on processes, or return :data:`NOT_DISTRIBUTED`.
-
-    ``model`` is a PoplarExecutor. Its options decide: several processes
-    configured (torchrun's ``WORLD_SIZE``, or ``Options.Distributed.configureProcessId``)
-    means this process runs its stages of the model with its peers.
+    """Run one call of ``model`` (a PoplarExecutor) on processes, or return
+    :data:`NOT_DISTRIBUTED` when its options configure one process.
     """
     opts = model.options
     if not is_active(opts):
@@ -643,10 +617,8 @@ def last_timeline(model) -> Optional[Timeline]:
 
 
 def synchronize_weights(model) -> None:
-    """Give every process every stage's current weights and buffers (a collective).
-
-    During a run each process updates only its own stages; call this (on every
-    process) before saving or evaluating the whole model on one process.
+    """Give every process every stage's current weights and buffers (a collective: call it on
+    every process before saving or evaluating the whole model on one).
     """
     rt = _runtime_of(model)
     if rt is not None:

@@ -48,12 +48,9 @@ class CallContext:
 
 
 class StageBody(torch.nn.Module):
-    """One ipukit stage as torch's pipeline sees it: received tensors in, tensors to send out.
-
-    Positional inputs are the tensors carried from the previous stage (its own
-    outputs and any earlier stage's outputs a later stage still needs); model
-    inputs are read from the call's micro-batch; the last stage returns the
-    loss (training), which torch's runtime backpropagates from.
+    """One ipukit stage as torch's pipeline sees it: tensors carried from the previous stage in,
+    tensors to send out; model inputs are read from the call's micro-batch, and the last stage
+    returns the loss.
     """
 
     def __init__(self, compiled, ctx: CallContext, index: int, carried_in: List[Tuple[int, int]],
@@ -129,10 +126,9 @@ def carry_plan(partition) -> List[List[Tuple[int, int]]]:
 
 
 def timed_stage_class():
-    """torch's ``PipelineStage``, telling its body the micro-batch and recording measured spans:
-    a forward (F), a full backward (B), or a split one's input (I) and weight (W) gradients.
-    A stage under DDP runs torch's shape inference in ``no_sync`` (see
-    :func:`~ipukit.distributed.replicas.without_sync`)."""
+    """torch's ``PipelineStage``, telling its body the micro-batch and recording the measured spans
+    of F, B, I and W (shape inference under DDP in ``no_sync``).
+    """
     from .replicas import without_sync
 
     class TimedStage(hooked_stage_class()):
@@ -197,12 +193,8 @@ def receive_buffers(stages: Sequence) -> List[torch.Tensor]:
 
 
 def torch_single_order(kind: str, stage: int, num_stages: int, micro_batches: int) -> List[str]:
-    """The order torch's ``Schedule1F1B``/``ScheduleGPipe`` run one stage's actions in.
-
-    As their ``_step_microbatches`` execute it (torch 2.14): GPipe runs every
-    forward, then every backward; 1F1B runs ``min(M, N − stage)`` forwards,
-    then alternates a backward and a forward, then drains the backwards.
-    (Their ``pipeline_order`` tables are descriptive and not what runs.)
+    """The order torch's ``Schedule1F1B``/``ScheduleGPipe`` run one stage's actions in (as their
+    ``_step_microbatches`` execute it).
     """
     M = micro_batches
     if kind == "gpipe":
@@ -223,12 +215,8 @@ def torch_single_order(kind: str, stage: int, num_stages: int, micro_batches: in
 
 def _torch_schedule(kind: str, training: bool, stages: list, num_stages: int, lanes,
                     micro_batches: int, loss_fn):
-    """torch's own schedule class when it runs exactly ipukit's order, else None.
-
-    With one stage per process, ipukit's 1F1B and GPipe orders are those of
-    torch's ``Schedule1F1B`` and ``ScheduleGPipe`` (checked action by action);
-    those classes pair each send with the next receive in one batched
-    exchange, which the general runtime does not.
+    """torch's own schedule class when it runs exactly ipukit's order (1F1B or GPipe with one stage
+    per process), else None.
     """
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
@@ -285,14 +273,9 @@ def _torch_multi_schedule(kind: str, training: bool, stages: list, lanes, micro_
 
 def schedule_runner(schedule, training: bool, stages: list, stage_rank: Dict[int, int],
                     lanes: List[list], loss_fn):
-    """What runs one iteration of ``schedule`` on this process's ``stages``.
-
-    torch's own class where it runs exactly ipukit's order (``Schedule1F1B``/
-    ``ScheduleGPipe`` with one stage per process; ``ScheduleInterleaved1F1B``,
-    ``ScheduleLoopedBFS``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` with
-    several), otherwise torch's ``_PipelineScheduleRuntime`` fed ipukit's actions
-    (``lanes``: one list per pp rank, in torch's ``_Action`` notation: F, B, and
-    a split backward's I and W), with the stage → rank mapping ``stage_rank``.
+    """What runs one iteration of ``schedule`` on this process's ``stages``: torch's own class where
+    it runs exactly ipukit's order, else torch's ``_PipelineScheduleRuntime`` fed ipukit's
+    ``lanes`` (one per pp rank) with the stage → rank mapping ``stage_rank``.
     """
     M = schedule.micro_batches
     runner = (_torch_schedule(schedule.kind, training, stages, len(stage_rank), lanes, M, loss_fn)

@@ -83,11 +83,8 @@ class ProcessWatchdog:
         self.active.set()
 
     def verdict(self, lost_contact: bool = False) -> Optional[StallError]:
-        """This call's StallError, if the watchdog fired (waiting for it to finish firing).
-
-        ``lost_contact``: the call ended with a broken connection. If a peer's watchdog
-        fired first (it cut its connections before this one's fired), this process
-        fires now too, so that every process raises the StallError and rebuilds the group.
+        """This call's StallError if the watchdog fired (``lost_contact``: the call ended with a broken
+        connection; a peer fired first, so this process fires too).
         """
         if lost_contact and not self.firing.is_set() and self._peer_fired():
             self._fire()
