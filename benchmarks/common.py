@@ -205,3 +205,65 @@ def uncontended_costs(timeline, cores: Optional[int] = None,
                            zip(out["backward"], out["input-grad"], out["weight-grad"])]
     out["step"] = list(steps)
     return out
+
+
+# -- a measured call modeled "from this machine" (the benchmarks' instrument) ------------------
+
+def model_like(measured_timeline, cores: Optional[int] = None, host: bool = True,
+               statistic: str = "median", costs: Optional[Dict[str, List[float]]] = None):
+    """Model a measured call "from this machine": same schedule, its measured stage costs.
+
+    (Left ipukit, whose one way to model a call from measured costs is
+    ``ipukit.timeline.costs.model_call``; the benchmarks replay measured calls with it.)
+
+    The schedule (kind, stages, micro-batches, iterations, stage IPUs, replicas)
+    comes from ``measured_timeline.meta``; every forward/backward/step costs the stage's
+    ``statistic`` over the measured events, or ``costs`` when given (a
+    ``Timeline.stage_costs()`` dict, e.g. of an uncontended sharded run of the
+    same stages). A stage's step cost is the step as drawn on its IPU, once per
+    iteration for the whole call: a worker running several stages pays it once.
+    With ``host`` the call's set-up and output-gathering spans
+    are kept, so wall time and utilisation compare like for like. ``cores``
+    models a CPU that can run at most that many actions at once; ``None`` means one core
+    per worker.
+    """
+    from ipukit.schedules.build import build
+    from ipukit.timeline.events import Event
+    from ipukit.timeline.simulate import host_spans, simulate
+
+    measured = measured_timeline
+    meta = measured.meta
+    try:
+        kind = meta["kind"] if "kind" in meta else meta["schedule"]
+        N, M = int(meta["num_stages"]), int(meta["micro_batches"])
+    except KeyError as missing:
+        raise ValueError(f"model_like needs a measured timeline with schedule metadata (meta "
+                         f"lacks {missing}); use ipukit.simulate with explicit costs") from None
+    iterations = int(meta.get("iterations", 1))
+    replicas = int(meta.get("replicas", 1))
+    stage_ipus = meta.get("stage_ipus")
+    schedule = build(kind, N, M, iterations, stage_ipus)
+    c = measured.stage_costs(statistic) if costs is None else {
+        k: [float(v) for v in costs.get(k, [0.0] * N)]
+        for k in ("forward", "backward", "step", "input-grad", "weight-grad")
+        if k in costs or k in ("forward", "backward", "step")}
+    if any(len(v) != N for v in c.values()):
+        raise ValueError(f"costs: expected one value per stage ({N}) for forward/backward/step")
+    if not schedule.training:
+        c["backward"], c["step"] = [0.0] * N, [0.0] * N
+    # a measured step is drawn on every stage's IPU, but the host steps once per iteration:
+    # a lane running several stages (a sharded call, a loop, a V) shares that one step
+    c["step"] = [v / k for v, k in zip(c["step"], schedule.stages_in_lane)]
+    before, after = host_spans(measured) if host else (0.0, 0.0)
+    samples = meta.get("samples")
+    tl = simulate(kind, N, M, c["forward"], c["backward"], step_cost=c["step"],
+                  host_overhead=before, iterations=iterations, replicas=replicas,
+                  samples=samples, schedule=schedule, input_grad_cost=c.get("input-grad"),
+                  weight_grad_cost=c.get("weight-grad"),
+                  cores=None if cores is None else int(cores))
+    if after > 0:
+        end = tl.end
+        tl.events.append(Event(-1, "host", -1, end, end + after, -1, 0, iterations - 1, 0))
+    tl.meta.update({"modeled_from": meta.get("call"), "cores": cores, "statistic": statistic,
+                    "host_after": after})
+    return tl

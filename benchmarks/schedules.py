@@ -42,7 +42,9 @@ import torch.nn.functional as F  # noqa: E402
 import ipukit  # noqa: E402
 from ipukit.timeline.compare import layout  # noqa: E402
 from ipukit.schedules import PIPELINED_KINDS  # noqa: E402
-from ipukit.timeline.simulate import available_cores, model_like  # noqa: E402
+from ipukit.timeline.simulate import available_cores  # noqa: E402
+
+from benchmarks.common import model_like  # noqa: E402
 from benchmarks.common import uncontended_costs  # noqa: E402
 
 from .models import balanced_data, stage_layers  # noqa: E402

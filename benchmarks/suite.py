@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import ipukit
-from ipukit.timeline.simulate import model_like
+from .common import model_like
 from benchmarks.common import uncontended_costs
 from ipukit.timeline.events import Timeline
 
