@@ -21,7 +21,7 @@ torch's ``OVERLAP_F_B`` pair as the forward, then the backward.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ir import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, ScheduleError
@@ -85,9 +85,8 @@ def check_placement(kind: str, stage_ipus: Sequence[int],
 def minimum_micro_batches(kind: str, num_stages: int, num_ipus: int) -> int:
     """The fewest micro-batches (gradientAccumulation) ``kind`` runs with.
 
-    GPipe and 1F1B keep PopTorch's rule (2N − 1: PopART counted N − 1 more
-    backward stages); the others need as many as torch's classes do: one per IPU
-    (two per IPU for DualPipeV).
+    GPipe and 1F1B keep PopTorch's 2N − 1; the others torch's: one per IPU (two for
+    DualPipeV).
     """
     if kind in ("gpipe", "1f1b"):
         return 2 * num_stages - 1
@@ -119,22 +118,14 @@ def interleaved_1f1b(rank: int, P: int, v: int, M: int) -> List[Op]:
         raise ScheduleError(f"pipelineSchedule('Interleaved1F1B') runs micro-batches in rounds "
                             f"of about {P}: gradientAccumulation {M} must be a multiple of "
                             f"{rounds} (e.g. {rounds * (M // rounds)} or {rounds * (M // rounds + 1)})")
-    per_round = M // rounds
-    total = v * M
+    per_round, total = M // rounds, v * M
     warmup = min((v - 1) * per_round + 2 * (P - 1 - rank), total)
-
-    def fwd_stage(k: int) -> int:
-        return ((k // per_round) % v) * P + rank
-
-    def bwd_stage(k: int) -> int:
-        return (v - 1 - ((k - warmup) // per_round) % v) * P + rank
-
     ops: List[Tuple[str, int]] = []
     for k in range(total + warmup):
         if k < total:
-            ops.append((FORWARD, fwd_stage(k)))
+            ops.append((FORWARD, ((k // per_round) % v) * P + rank))
         if k >= warmup:
-            ops.append((BACKWARD, bwd_stage(k)))
+            ops.append((BACKWARD, (v - 1 - ((k - warmup) // per_round) % v) * P + rank))
     return _counted(ops)
 
 
@@ -149,8 +140,8 @@ def looped_bfs(rank: int, P: int, v: int, M: int) -> List[Op]:
 def zb_h1(rank: int, P: int, M: int) -> List[Op]:
     """1F1B with split backwards; the r-th IPU starts its W's r micro-batches late.
 
-    Activations are held from a forward to its W: P micro-batches on every IPU,
-    the most 1F1B holds on any (its first) — the "same memory" of ZB-H1.
+    Activations are held from a forward to its W: P micro-batches on every IPU, the
+    most 1F1B holds on any.
     """
     warmup = min(P - 1 - rank, M)
     ops: List[Tuple[str, int]] = [(FORWARD, rank)] * warmup
@@ -184,9 +175,7 @@ def zbv(rank: int, P: int, M: int) -> List[Op]:
         f[second] += 1
     ops += [(INPUT_GRAD, first), (INPUT_GRAD, second)] * rank
     ops += [(INPUT_GRAD, first), (WEIGHT_GRAD, first)] * (P - rank)
-    done = defaultdict(int)
-    for kind, stage in ops:
-        done[(kind, stage)] += 1
+    done = Counter(ops)
     ops += [(WEIGHT_GRAD, second)] * (done[(INPUT_GRAD, second)] - done[(WEIGHT_GRAD, second)])
     ops += [(WEIGHT_GRAD, first)] * (done[(INPUT_GRAD, first)] - done[(WEIGHT_GRAD, first)])
     return [op for op in _counted(ops) if op[2] < M]
@@ -195,9 +184,8 @@ def zbv(rank: int, P: int, M: int) -> List[Op]:
 def dualpipev(rank: int, P: int, M: int) -> List[Op]:
     """DualPipeV's eight phases (DeepSeek): a V, forwards paired with backwards.
 
-    A backward is a full ``B`` while its W has nothing to hide behind, and an
-    I whose W is queued once the drain starts (half-way through phase 6 on odd
-    IPUs, just after on even ones); queued W's fill phases 7 and 8.
+    A backward is a full ``B`` until the drain (phase 6), then an ``I`` whose ``W`` is
+    queued to fill phases 7 and 8.
     """
     first, second = rank, 2 * P - 1 - rank
     ops: List[Op] = []

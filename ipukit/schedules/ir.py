@@ -105,16 +105,13 @@ class Schedule:
 
     @cached_property
     def stages_in_lane(self) -> List[int]:
-        """Per stage, how many stages its lane runs. The host steps the optimiser once per
-        iteration for every stage, and a lane holds one step action per stage it runs (a
-        timeline draws the step on every stage's IPU): those actions share that one step."""
+        """Per stage, how many stages its lane runs (its step actions share one host step)."""
         lanes = self.lane_of_stage
         return [max(1, lanes.count(li)) if li is not None else 1 for li in lanes]
 
     @cached_property
     def chained(self) -> bool:
-        """Whether one lane runs each micro-batch whole before the next, as a plain loop does:
-        every stage's forward in order, then every stage's full backward in reverse."""
+        """Whether one lane runs each micro-batch whole (forwards, backwards) before the next."""
         n = self.num_stages
         if len(self.lanes) != 1 or not n:
             return False
@@ -134,11 +131,7 @@ class Schedule:
         return [a for lane in self.lanes for a in lane]
 
     def iteration_lanes(self, iteration: int, with_steps: bool = False) -> List[List[Action]]:
-        """The lanes' actions of one iteration (optimiser steps left out by default).
-
-        Indexed once per schedule: a call with many device iterations does not
-        filter whole lanes at every iteration.
-        """
+        """The lanes' actions of one iteration (optimiser steps left out by default)."""
         if with_steps:
             return [[a for a in lane if a.iteration == iteration] for lane in self.lanes]
         if self._by_iteration is None:
@@ -158,11 +151,8 @@ class Schedule:
     def from_strings(cls, kind: str, lanes: Sequence[Sequence[str]], num_stages: int,
                      micro_batches: int, stage_ipus: Optional[Sequence[int]] = None,
                      lane_ipus: Optional[Sequence[Optional[int]]] = None) -> "Schedule":
-        """Read :meth:`to_strings`' output back; iterations are counted, not written.
-
-        The *k*-th occurrence of an action (``"1F3"``, or a step ``"1S"``) in
-        its lane belongs to iteration *k*, so a round trip is exact.
-        """
+        """Read :meth:`to_strings`' output back: an action's *k*-th occurrence in its lane
+        belongs to iteration *k*, so a round trip is exact."""
         parsed, iterations = [], 1
         for lane in lanes:
             count: Dict[str, int] = {}
@@ -184,8 +174,7 @@ class Schedule:
     def to_torch(self, iteration: int = 0) -> Dict[int, list]:
         """One iteration as torch.distributed.pipelining ``_Action`` lists, one per lane (rank).
 
-        Steps are left out: torch's schedule runtime runs the actions of one
-        ``step()`` call and the caller steps the optimiser afterwards.
+        Steps are left out: torch's caller steps the optimiser after ``step()``.
         """
         from .._torch import torch_action
 
@@ -198,8 +187,8 @@ class Schedule:
                    training: bool = True) -> "Schedule":
         """An ipukit schedule (one iteration, steps appended) from torch's per-rank actions.
 
-        Communication and resharding actions (``SEND_F``, ``UNSHARD``, ...) and
-        empty slots are dropped: ipukit's workers hand tensors over themselves.
+        Communication and resharding actions (``SEND_F``, ``UNSHARD``, ...) and empty
+        slots are dropped.
         """
         lanes = []
         for rank in sorted(pipeline_order):
@@ -209,9 +198,8 @@ class Schedule:
                 stages = sorted({Action.from_str(t).stage for t in lane})
                 lane += [f"{s}S" for s in stages]
             lanes.append(lane)
-        ipus = list(stage_ipus) if stage_ipus is not None else None
-        if ipus is None:
-            ipus = [0] * num_stages
+        ipus = list(stage_ipus) if stage_ipus is not None else [0] * num_stages
+        if stage_ipus is None:
             for rank, lane in enumerate(lanes):
                 for text in lane:
                     ipus[Action.from_str(text).stage] = rank
@@ -221,10 +209,8 @@ class Schedule:
     def validate(self) -> "Schedule":
         """Check the schedule can run: every action once, backward after forward, no deadlock.
 
-        Each (stage, micro-batch, iteration) has one forward and, when
-        training, either one full backward or one input-gradient and one
-        weight-gradient action; each stage has one step per iteration. The
-        dependency walk then proves the lanes cannot deadlock.
+        Training: one ``B`` or one ``I`` and one ``W`` per forward, one step per stage
+        and iteration. The dependency walk then proves the lanes cannot deadlock.
         """
         N, M = self.num_stages, self.micro_batches
         seen: Dict[tuple, int] = {}
@@ -253,8 +239,7 @@ class Schedule:
                             continue
                         raise ScheduleError(f"action '{s}{kind}{m}' of iteration {it} is missing")
         self._check_lane_order()
-        unit = {k: [1.0] * N for k in ACTION_KINDS}
-        walk(self.lanes, N, unit)
+        walk(self.lanes, N, {k: [1.0] * N for k in ACTION_KINDS})
         return self
 
     def _check_lane_order(self) -> None:
@@ -325,16 +310,15 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
     # by (replica, stage, iteration * width + micro-batch): a forward's end, and when its
     # activation (or a B/I's gradient) reaches the stage that needs it
     size = n_iter * width
-    own = [[[None] * size for _ in range(N)] for _ in range(copies)]
-    sent = [[[None] * size for _ in range(N)] for _ in range(copies)]
-    grad = [[[None] * size for _ in range(N)] for _ in range(copies)]    # B or I
-    igrad = [[[None] * size for _ in range(N)] for _ in range(copies)]
+    own, sent, grad, igrad = ([[[None] * size for _ in range(N)] for _ in range(copies)]
+                              for _ in range(4))     # grad: B or I
     waiting: Dict[tuple, List[int]] = {}    # dependency -> workers waiting on it
     wants: Dict[int, tuple] = {}            # worker -> the dependency it waits on
     times = [[[] for _ in lanes] for _ in range(copies)]
     pos = [0] * len(workers)
     free = [start_time] * len(workers)
     ready: list = []   # (ready time, worker): a heap under limited cores, else a stack
+    push = heapq.heappush if limited else list.append
     core_free = [start_time] * cores if limited else None
 
     def send(kind: str, s: int) -> float:
@@ -376,10 +360,7 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
         t = dependency(w)
         if t is not None:
             wants.pop(w, None)
-            if limited:
-                heapq.heappush(ready, (t, w))
-            else:
-                ready.append((t, w))
+            push(ready, (t, w))
 
     def wake(key: tuple) -> None:
         for w in waiting.pop(key, ()):
@@ -435,8 +416,7 @@ def walk(lanes: Sequence[Sequence[Action]], num_stages: int, costs: Dict[str, Se
 
 def _deadlock(lanes, workers, pos, wants: Dict[int, tuple], stuck: List[int],
               width: int) -> str:
-    """Which lane waits at which action for which other action (the dependency
-    :func:`walk` registered), followed to a cycle."""
+    """Which lane waits at which action for which other action, followed to a cycle."""
     home: Dict[tuple, int] = {}
     for li, lane in enumerate(lanes):
         for a in lane:

@@ -1,20 +1,15 @@
 """Every pipeline schedule side by side, on the same IPUs and the same model (modeled).
 
-With unit costs each IPU's part of the model costs ``forward_cost[i]`` /
-``backward_cost[i]`` per micro-batch, and a schedule that places v stages on each IPU cuts
-that part into v stages of 1/v the cost and 1/v the activations (an idealisation).
-:func:`compare_schedules` models one step of each kind with :func:`ipukit.simulate` and
-reports its time, its bubble and the peak activations each IPU holds, in units of one
-micro-batch's activations of one IPU's part.
+Each IPU's part of the model costs ``forward_cost[i]`` / ``backward_cost[i]`` per
+micro-batch; a schedule placing v stages on each IPU cuts it into v stages of 1/v the cost
+and activations. :func:`compare_schedules` models one step of each kind with
+:func:`ipukit.simulate`: its time, bubble and peak activations per IPU (in one IPU part's
+micro-batch activations).
 
-Given a calibrated :class:`~ipukit.timeline.costs.CostTable` (``table=``), every schedule is
-modeled from a real partition of the blocks instead: as many contiguous stages as it places,
-each costing its blocks' measured passes, on the same ``num_ipus`` IPUs; a schedule with
-more stages than blocks is unavailable, with the reason.
-
-Communication: with ``transfer_cost`` and ``communication="exposed"`` (the default) a send
-occupies the sending IPU, except in DualPipeV's paired forward and backward, where it
-overlaps the partner's compute; ``"latency"`` makes it latency only.
+Given a calibrated :class:`~ipukit.timeline.costs.CostTable` (``table=``), each schedule is
+modeled from an even partition of its blocks instead (unavailable with more stages than
+blocks). ``communication="exposed"`` (default): a send occupies the sender, except in
+DualPipeV's paired passes; ``"latency"``: latency only.
 """
 from __future__ import annotations
 
@@ -53,8 +48,7 @@ class ScheduleSummary:
 
 
 def layout(kind: str, num_ipus: int, virtual_stages: int = VIRTUAL_STAGES) -> List[int]:
-    """The stage → IPU placement the comparison gives ``kind`` on ``num_ipus`` IPUs
-    (``virtual_stages`` per IPU for the looped kinds; a V holds two)."""
+    """The stage → IPU placement the comparison gives ``kind`` on ``num_ipus`` IPUs."""
     if kind in LOOPED:
         return placement(kind, virtual_stages * num_ipus, num_ipus)
     if kind in V_SHAPED:
@@ -63,8 +57,8 @@ def layout(kind: str, num_ipus: int, virtual_stages: int = VIRTUAL_STAGES) -> Li
 
 
 def peak_activations(timeline: Timeline, stage_ipus: Sequence[int]) -> List[float]:
-    """Per IPU, the most activations held at once (replica 0), each stage weighted by
-    its share of the IPU's part of the model (1 / stages on that IPU)."""
+    """Per IPU, the most activations held at once (replica 0), a stage weighing 1 / its IPU's
+    stages."""
     P = max(stage_ipus) + 1
     share = [1.0 / stage_ipus.count(stage_ipus[s]) for s in range(len(stage_ipus))]
     marks: List[List[tuple]] = [[] for _ in range(P)]
@@ -102,8 +96,7 @@ def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost =
               ) -> ScheduleSummary:
     """Model one step of ``kind`` on ``num_ipus`` IPUs (see the module docstring).
 
-    ``table``: model it from a real partition of the table's blocks instead of the
-    per-IPU costs; ``transfer_cost`` then defaults to the table's hand-off.
+    With ``table``, ``transfer_cost`` defaults to its hand-off.
     """
     if communication not in ("exposed", "latency"):
         raise ValueError(f"communication must be 'exposed' or 'latency', got {communication!r}")
@@ -120,9 +113,8 @@ def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost =
     split = {}
     if table is not None:
         if N > len(table.blocks):
-            summary.available = False
-            summary.reason = (f"needs {N} stages on {P} IPUs; the network has "
-                              f"{len(table.blocks)} blocks")
+            summary.available, summary.reason = False, (
+                f"needs {N} stages on {P} IPUs; the network has {len(table.blocks)} blocks")
             return summary
         stages = even_split(table.blocks, N)
         c = table.stage_costs(stages)
@@ -146,16 +138,12 @@ def summarize(kind: str, num_ipus: int, micro_batches: int, forward_cost: Cost =
     except ScheduleError as exc:
         summary.available, summary.reason = False, str(exc)
         return summary
-    tl.meta["stage_ipus"] = ipus
-    tl.meta["communication"] = communication
+    tl.meta.update(stage_ipus=ipus, communication=communication)
     if table is not None:
-        tl.meta["stage_blocks"] = summary.stage_blocks
-        tl.meta["calibrated"] = True
-    summary.timeline = tl
-    summary.step_time = tl.end - tl.start
+        tl.meta.update(stage_blocks=summary.stage_blocks, calibrated=True)
+    summary.timeline, summary.step_time = tl, tl.end - tl.start
     summary.ipu_time = summary.step_time * P
-    summary.bubble = bubble(tl, P)
-    summary.peak_activations = peak_activations(tl, ipus)
+    summary.bubble, summary.peak_activations = bubble(tl, P), peak_activations(tl, ipus)
     return summary
 
 
@@ -165,10 +153,8 @@ def compare_schedules(num_ipus: int, micro_batches: int, forward_cost: Cost = 1.
                       transfer_cost: Optional[float] = None,
                       virtual_stages: int = VIRTUAL_STAGES, table: Optional[CostTable] = None,
                       communication: str = "exposed") -> Dict[str, ScheduleSummary]:
-    """Every pipelined schedule (or ``kinds``) modeled on the same IPUs and model
-    (``virtual_stages``: stages per IPU of interleaved 1F1B and looped BFS; ``table``:
-    a calibrated cost table, whose blocks are cut into each schedule's stages;
-    ``communication``: see the module docstring)."""
+    """Every pipelined schedule (or ``kinds``) modeled by :func:`summarize` on the same IPUs
+    (``virtual_stages``: stages per IPU of the looped kinds)."""
     kinds = list(PIPELINED_KINDS) if kinds is None else list(kinds)
     return {k: summarize(k, num_ipus, micro_batches, forward_cost, backward_cost,
                          weight_share, transfer_cost, virtual_stages, table=table,

@@ -1,19 +1,14 @@
 """A machine's cost table, and a call modeled from it (pure data: nothing is run here).
 
 :func:`ipukit.calibrate` measures the table, each part alone; :func:`model_call` turns it
-into the modeled timeline of any schedule over any split of the blocks. It is the one way
-to model a call from measured costs; :func:`ipukit.simulate` is the same walk with costs you
-give.
+into the modeled timeline of any schedule over any split of the blocks (:func:`ipukit.simulate`
+is the same walk with costs you give).
 
-Fidelity: a simple model. It includes every pass at its blocks' calibrated cost plus
-``per_pass``; a ``handoff`` wherever a tensor crosses to another worker; at most ``cores``
-passes at once (:func:`ipukit.schedules.ir.walk`); one optimiser ``step`` per iteration and
-the host's work around the call. Sharded and pipelined passes come from the same column
-(one worker thread with ``threads`` intra-op threads). It leaves out contention beyond the
-core count (the interpreter lock, memory bandwidth, scheduling), slower passes after a wait
-or on data from another core, and cooled caches: on a CPU a pipelined call usually takes
-longer than modeled, and its figures say so. What the calibration could not settle is in
-``uncertain`` and said under every figure drawn from the table.
+The model includes every pass at its blocks' cost plus ``per_pass``, a ``handoff`` wherever a
+tensor crosses workers, at most ``cores`` passes at once (:func:`ipukit.schedules.ir.walk`), one
+``step`` per iteration and the host's work around the call. It leaves out contention beyond the
+core count, slower passes after a wait and cooled caches: on a CPU a pipelined call usually
+takes longer than modeled, and its figures say so, as they say the table's ``uncertain``.
 """
 from __future__ import annotations
 
@@ -37,15 +32,7 @@ UNCERTAIN_NOTE = "uncertain calibration: {reasons}; re-run ipukit.calibrate on a
 
 @dataclass
 class CostTable:
-    """What each part of a call costs on one machine and device, in seconds.
-
-    Fields: per block, ``forward`` and ``backward`` (one micro-batch) and, where measured,
-    a split backward's halves ``input_grad`` and ``weight_grad``; ``per_pass`` (one
-    action's fixed cost), ``handoff`` (one hand-off between workers), ``step`` (one
-    optimiser step), ``host_before`` / ``host_after`` (a call's host work), ``cores``
-    (passes that can run at once), ``threads`` (intra-op threads the blocks were timed
-    with), ``uncertain`` (what the calibration could not settle, one phrase each).
-    """
+    """What each part of a call costs on one machine and device, in seconds (per field below)."""
 
     blocks: List[str]
     forward: List[float]                  #: per block, one micro-batch
@@ -74,8 +61,7 @@ class CostTable:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostTable":
-        """A table from :meth:`to_dict`'s dict; parts an older ipukit measured and this one
-        does not model are dropped."""
+        """A table from :meth:`to_dict`'s dict; unknown parts (an older ipukit's) are dropped."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -86,10 +72,9 @@ class CostTable:
                     chained: bool = False) -> Dict[str, List[float]]:
         """Per stage, each pass kind's cost: its blocks' sum plus ``per_pass``.
 
-        ``chained``: a call that runs as a plain loop does (a sharded call of one replica,
-        :class:`ipukit.runtime.fused.Chain`), whose passes pay no ``per_pass``. Where the
-        halves are measured, the stage that takes the data has no input gradient: its
-        ``I`` is its first block's alone and its ``W`` a full backward."""
+        ``chained``: a call run as a plain loop (:class:`ipukit.runtime.fused.Chain`) pays no
+        ``per_pass``. With measured halves, the stage that takes the data has ``I`` its first
+        block's alone and ``W`` a full backward."""
         index = {b: i for i, b in enumerate(self.blocks)}
         missing = [b for names in stage_blocks for b in names if b not in index]
         if missing:
@@ -125,8 +110,7 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
                micro_batches: int, iterations: int = 1, replicas: int = 1,
                stage_ipus: Optional[Sequence[int]] = None, samples: Optional[int] = None,
                cores: Optional[int] = None) -> Timeline:
-    """The modeled timeline of one call: ``kind`` over ``stage_blocks``, from ``table``
-    (see the module docstring for what the model includes and leaves out).
+    """The modeled timeline of one call: ``kind`` over ``stage_blocks``, from ``table``.
 
     ``cores`` defaults to the table's; ``stage_ipus`` to the schedule's placement.
     """
@@ -141,18 +125,17 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
     c = table.stage_costs(stage_blocks, chained=chained)
     fwd = c["forward"]
     bwd = c["backward"] if training else [0.0] * N
-    # the host steps once per iteration while the workers wait: a lane holding several
-    # stages shares that one step among them
+    # one host step per iteration, shared by the stages of a lane
     step = [table.step / k if training else 0.0 for k in schedule.stages_in_lane]
+    fixed = 0.0 if chained else table.per_pass
     if "input-grad" in c:
         i_cost, w_cost = c["input-grad"], c["weight-grad"]
     else:    # unmeasured halves: B split by weight_share (the first stage's W is all of B)
-        fixed = 0.0 if chained else table.per_pass
         share = [1.0 if s == 0 else table.weight_share for s in range(N)]
         i_cost = [(b - fixed) * (1 - w) + fixed for b, w in zip(bwd, share)]
         w_cost = [(b - fixed) * w + fixed for b, w in zip(bwd, share)]
     costs = {FORWARD: fwd, BACKWARD: bwd, STEP: step, INPUT_GRAD: i_cost, WEIGHT_GRAD: w_cost}
-    # a hand-off is one worker waking another: stages one worker runs pass tensors on free
+    # a hand-off is one worker waking another
     lane_of = schedule.lane_of_stage
     crosses = [s > 0 and lane_of[s - 1] != lane_of[s] for s in range(N)]
     transfers = {FORWARD: [table.handoff if crosses[s] else 0.0 for s in range(N)],
@@ -172,10 +155,8 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         notes.append(UNCERTAIN_NOTE.format(reasons="; ".join(table.uncertain)))
 
     def span_start(k: str, s: int, a: float, b: float) -> float:
-        # a pass's fixed cost is measured as the idle gap before it, so its modeled span
-        # leaves that share out, as a measured span does
+        # a pass's fixed cost is measured as the idle gap before it: the span leaves it out
         cost = costs[k][s]
-        fixed = 0.0 if chained else table.per_pass
         if k == STEP or cost <= 0 or fixed <= 0:
             return a
         return a + (b - a) * min(1.0, fixed / cost)
@@ -185,8 +166,7 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
         events.append(Event(-1, "host", -1, 0.0, before, -1, 0, 0, 0))
     for replica in range(replicas):
         for lane, lane_times in zip(schedule.lanes, times[replica]):
-            events += [Event(s, KIND_NAMES[k], m, span_start(k, s, a, b), b, ipus[s],
-                             replica, it, 0)
+            events += [Event(s, KIND_NAMES[k], m, span_start(k, s, a, b), b, ipus[s], replica, it, 0)
                        for (k, s, m, it), (a, b) in zip(lane, lane_times)]
     end = max((e.end for e in events), default=before)
     if table.host_after > 0:
@@ -203,9 +183,8 @@ def model_call(table: CostTable, kind: str, stage_blocks: Sequence[Sequence[str]
 
 
 def agreement(measured: Timeline, modeled: Timeline) -> str:
-    """One plain sentence: how long the measured call took against the same call modeled,
-    and the likeliest reason where they differ by more than a tenth. Several measured calls
-    (:meth:`Timeline.concat`) are compared per call."""
+    """One sentence: measured ÷ modeled time per call, and the likeliest reason where they
+    differ by more than a tenth."""
     if modeled.wall_time <= 0 or measured.wall_time <= 0:
         return "measured ÷ modeled: nothing to compare"
     r = measured.time_per_call() / modeled.time_per_call()

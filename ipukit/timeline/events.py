@@ -81,12 +81,8 @@ class MemoryTrack:
 
 @dataclass
 class Timeline:
-    """Events of one (or more) model calls, plus what produced them.
-
-    Basic measures (wall and busy time, utilisation, speed) and exports live here;
-    the pipeline analysis (bubble, idle breakdown, held activations, stage costs)
-    is inherited from :mod:`ipukit.timeline_analysis`.
-    """
+    """Events of one (or more) model calls, plus what produced them: measures (utilisation,
+    speed), pipeline analysis (bubble, idle breakdown, held activations, stage costs), exports."""
 
     events: List[Event] = field(default_factory=list)
     modeled: bool = False
@@ -130,14 +126,12 @@ class Timeline:
     def utilisation(self) -> Dict[str, Any]:
         """Busy time ÷ wall time, per virtual IPU and ``overall`` (÷ wall × IPUs).
 
-        Busy means a forward or backward pass; the optimiser step runs on the
-        host (see :data:`COMPUTE_KINDS`). Utilisation explains a speed, it is not
-        one: compare runs by :meth:`time_per_step` and :meth:`throughput`, and
-        see :meth:`idle_breakdown` for where the idle time goes. Keys: ``per_ipu`` ({ipu: fraction}, replicas averaged), ``per_track``
+        Busy means a forward or backward pass (the step runs on the host). It explains a
+        speed, it is not one: compare runs by :meth:`time_per_step` and :meth:`throughput`.
+        Keys: ``per_ipu`` ({ipu: fraction}, replicas averaged), ``per_track``
         ({"IPU i[ · replica r]": fraction}), ``overall``, ``bubble`` (1 − overall).
         """
-        wall = self.wall_time
-        busy = self.busy_time()
+        wall, busy = self.wall_time, self.busy_time()
         if wall <= 0 or not busy:
             return {"per_ipu": {}, "per_track": {}, "overall": 0.0, "bubble": 1.0}
         per_track = {}
@@ -153,16 +147,13 @@ class Timeline:
     def throughput(self, samples: Optional[int] = None) -> float:
         """Samples per second over the timeline's wall time."""
         samples = self.meta.get("samples") if samples is None else samples
-        if not samples or self.wall_time <= 0:
-            return 0.0
-        return samples / self.wall_time
+        return samples / self.wall_time if samples and self.wall_time > 0 else 0.0
 
     @property
     def iterations(self) -> int:
         """Optimiser steps (device iterations) in the timeline, per call."""
-        if "iterations" in self.meta:
-            return int(self.meta["iterations"])
-        return max((e.iteration for e in self.events), default=0) + 1
+        return int(self.meta["iterations"]) if "iterations" in self.meta else (
+            max((e.iteration for e in self.events), default=0) + 1)
 
     def time_per_step(self) -> float:
         """Seconds of wall time per optimiser step (per device iteration for inference)."""
@@ -174,20 +165,14 @@ class Timeline:
                 "samples_per_second": self.throughput()}
 
     def host_steps(self) -> List[Event]:
-        """The optimiser steps as host events, one per (call, iteration, replica).
-
-        The executor and the model record a step on every stage's track, each with the
-        span of the one host operation that steps all of them; this folds them back.
-        """
-        spans: Dict[tuple, List[float]] = {}
+        """The optimiser steps (recorded on every stage's track) folded into one host event
+        per (call, iteration, replica)."""
+        spans: Dict[tuple, Tuple[float, float]] = {}
         for e in self.events:
             if e.kind == "step":
                 key = (e.call, e.iteration, e.replica)
-                if key in spans:
-                    spans[key][0] = min(spans[key][0], e.start)
-                    spans[key][1] = max(spans[key][1], e.end)
-                else:
-                    spans[key] = [e.start, e.end]
+                a, b = spans.get(key, (e.start, e.end))
+                spans[key] = (min(a, e.start), max(b, e.end))
         return [Event(-1, "step", -1, a, b, -1, r, it, call)
                 for (call, it, r), (a, b) in sorted(spans.items(), key=lambda kv: kv[1][0])]
 
@@ -212,9 +197,8 @@ class Timeline:
     def to_chrome_trace(self, path: Optional[str] = None) -> Dict[str, Any]:
         """Chrome trace-event JSON (opens in Perfetto / chrome://tracing).
 
-        One process per replica, one thread (track) per virtual IPU, plus a host
-        track; complete events (``ph: "X"``) with real durations in µs. A call that
-        tracked its memory adds a counter (``ph: "C"``, MiB) per virtual IPU.
+        One process per replica, one thread per virtual IPU plus a host track; complete
+        events (``ph: "X"``) in µs; tracked memory adds a counter (``ph: "C"``, MiB) per IPU.
         """
         events: List[Dict[str, Any]] = []
         t0 = self.start
@@ -236,7 +220,7 @@ class Timeline:
                 "pid": max(e.replica, 0), "tid": e.ipu + 1,
                 "args": {"stage": e.stage, "micro_batch": e.micro_batch,
                          "iteration": e.iteration, "call": e.call}})
-        for m in self.memory:   # measured memory: one counter track per virtual IPU
+        for m in self.memory:
             name = f"memory {m.name}"
             for t, b in m.samples:
                 events.append({"name": name, "cat": "memory", "ph": "C",
@@ -257,13 +241,10 @@ class Timeline:
     def concat(timelines: Iterable["Timeline"]) -> "Timeline":
         """Join consecutive calls' timelines on one time axis.
 
-        The result's ``meta`` is the last call's, with the totals of all of them:
-        ``samples`` (summed, so ``throughput()`` is over every call), ``calls``, and
+        The result's ``meta`` is the last call's, with ``samples`` summed, ``calls``, and
         each call's own ``meta`` under ``per_call``.
         """
-        out = Timeline()
-        offset = 0.0
-        metas = []
+        out, offset, metas = Timeline(), 0.0, []
         for k, tl in enumerate(timelines):
             shift = offset - tl.start
             for e in tl.events:
@@ -273,9 +254,7 @@ class Timeline:
             out.modeled = tl.modeled
             metas.append(dict(tl.meta))
         if metas:
-            out.meta = dict(metas[-1])
-            out.meta["calls"] = len(metas)
-            out.meta["per_call"] = metas
+            out.meta = {**metas[-1], "calls": len(metas), "per_call": metas}
             samples = [m.get("samples") for m in metas]
             if all(samples):
                 out.meta["samples"] = sum(samples)
@@ -286,9 +265,8 @@ class Timeline:
     @property
     def calls(self) -> int:
         """How many model calls the timeline holds (several after :meth:`concat`)."""
-        if "calls" in self.meta:
-            return int(self.meta["calls"])
-        return len({e.call for e in self.events}) or 1
+        return int(self.meta["calls"]) if "calls" in self.meta else (
+            len({e.call for e in self.events}) or 1)
 
     def time_per_call(self) -> float:
         """Seconds of wall time per model call."""
@@ -303,62 +281,47 @@ class Timeline:
     # -- pipeline analysis: bubble, idle time, held activations, stage costs -------------
 
     def textbook_bubble(self) -> float:
-        """(N − 1) / (M + N − 1): the idle share of a pipeline of N equal stages and M micro-batches.
+        """(N − 1) / (M + N − 1): the idle share of N equal stages and M micro-batches per step.
 
-        N is the number of stages, M the micro-batches per optimiser step (per
-        device iteration for inference); a sharded run is a pipeline of one
-        micro-batch at a time, (N − 1) / N.
+        A sharded run is a pipeline of one micro-batch at a time, (N − 1) / N.
         """
         meta = self.meta
         ipus = {e.ipu for e in self.device_events()}
         n = int(meta.get("num_stages") or len(ipus) or 1)
         n = min(n, len(ipus)) if ipus else n          # stages sharing an IPU: one row each
         kind = str(meta.get("kind") or meta.get("schedule") or "")
-        if kind.startswith("sharded"):
-            m = 1
-        else:
-            m = int(meta.get("micro_batches") or 0) or (
-                max((e.micro_batch for e in self.device_events()), default=0) + 1)
+        m = 1 if kind.startswith("sharded") else int(meta.get("micro_batches") or 0) or (
+            max((e.micro_batch for e in self.device_events()), default=0) + 1)
         return (n - 1) / (m + n - 1) if n > 1 else 0.0
 
     def idle_breakdown(self) -> Dict[str, Any]:
         """Where the virtual IPUs' idle time goes, in seconds of IPU time.
 
-        The capacity is wall time × virtual IPUs; what is not ``busy`` (passes) is ``idle``, split
-        into ``step`` (the host steps the optimiser), ``host`` (the host works alone), ``bubble``
-        (fill and drain: the textbook share (N − 1)/(M + N − 1) of the time the pipeline ran,
-        :meth:`textbook_bubble`) and ``imbalance`` (the rest: unequal stages, hand-offs, waits for a
-        core). ``shares`` holds each part as a fraction of the capacity (they add up to 1). For
-        equal stage costs and nothing else, ``bubble`` is exactly the textbook share.
+        Capacity is wall time × virtual IPUs; what is not ``busy`` is ``idle``: ``step`` (the
+        host steps the optimiser), ``host`` (the host works alone), ``bubble`` (fill and drain,
+        :meth:`textbook_bubble` of the time the pipeline ran) and ``imbalance`` (the rest:
+        unequal stages, hand-offs, core waits). ``shares``: each part ÷ capacity (summing to 1).
         """
-        tracks = self.tracks()
-        P = len(tracks)
+        P = len(self.tracks())
         parts = {"busy": 0.0, "bubble": 0.0, "imbalance": 0.0, "host": 0.0, "step": 0.0}
-        out: Dict[str, Any] = {"ipus": P, "wall": self.wall_time,
-                               "capacity": P * self.wall_time,
+        capacity = P * self.wall_time
+        out: Dict[str, Any] = {"ipus": P, "wall": self.wall_time, "capacity": capacity,
                                "textbook_bubble": self.textbook_bubble()}
         if P == 0 or self.wall_time <= 0:
-            out.update(parts, idle=0.0, pipeline=0.0,
-                       shares={k: 0.0 for k in parts})
-            return out
+            return {**out, **parts, "idle": 0.0, "pipeline": 0.0,
+                    "shares": {k: 0.0 for k in parts}}
         marks = activity_marks(self.events)
         pipeline_time, pipeline_idle = sweep_idle(marks, self.start, P, parts)
-        bubble = min(pipeline_idle, out["textbook_bubble"] * P * pipeline_time)
-        parts["bubble"] = bubble
-        parts["imbalance"] = pipeline_idle - bubble
-        capacity = out["capacity"]
-        out.update(parts)
-        out["idle"] = capacity - parts["busy"]
-        out["pipeline"] = pipeline_time
-        out["shares"] = {k: v / capacity for k, v in parts.items()}
-        return out
+        parts["bubble"] = min(pipeline_idle, out["textbook_bubble"] * P * pipeline_time)
+        parts["imbalance"] = pipeline_idle - parts["bubble"]
+        return {**out, **parts, "idle": capacity - parts["busy"], "pipeline": pipeline_time,
+                "shares": {k: v / capacity for k, v in parts.items()}}
 
     def peak_in_flight(self) -> Dict[int, int]:
         """Per stage, the most micro-batches whose activations are held at once (replica 0).
 
-        A micro-batch is held from the start of its forward pass to the end of its
-        backward pass on that stage: the activation stash a schedule needs (GPipe: M on
-        every stage; ipukit's 1F1B: N − s on stage s). Inference holds none past a pass.
+        Held from the start of its forward to the end of its backward on that stage (GPipe: M;
+        1F1B: N − s on stage s); inference holds none past a pass.
         """
         out: Dict[int, int] = {}
         by_stage: Dict[int, List[tuple]] = {}
@@ -385,10 +348,8 @@ class Timeline:
         """Per-stage forward/backward/step times, for :func:`ipukit.simulate`.
 
         ``statistic``: a name in :mod:`statistics` (``"median"``, ``"mean"``) or a function
-        of a list of durations.
-
-        A split backward (``input-grad`` then ``weight-grad``) counts as one
-        backward of their summed cost, and its halves are reported too.
+        of a list of durations. A split backward counts as one backward of its halves' summed
+        cost, the halves reported too.
         """
         import statistics
 
@@ -409,7 +370,7 @@ class Timeline:
 
 
 def _join_memory(before: List[MemoryTrack], after: List[MemoryTrack]) -> List[MemoryTrack]:
-    """Consecutive calls' memory tracks, one per (replica, ipu): samples joined, peak the largest."""
+    """Consecutive calls' memory tracks, one per (replica, ipu), samples joined."""
     out = {(m.replica, m.ipu): m for m in before}
     for m in after:
         prev = out.get((m.replica, m.ipu))

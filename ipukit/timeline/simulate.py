@@ -23,11 +23,8 @@ Cost = Union[float, Sequence[float]]
 
 @contextmanager
 def _gc_paused():
-    """Hold off the cyclic garbage collector while building many small tuples.
-
-    The tuples hold no cycles, but allocating tens of thousands of them triggers full
-    collections over every object torch has created, which cost more than the model.
-    """
+    """Hold off the cyclic collector: tens of thousands of small tuples would trigger full
+    collections over every object torch has created."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -74,19 +71,17 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
     fwd = per_stage(forward_cost, N, "forward_cost")
     bwd = per_stage(backward_cost, N, "backward_cost")
     stp = per_stage(step_cost, N, "step_cost")
-    with _gc_paused():  # tens of thousands of small tuples: see _gc_paused
+    with _gc_paused():
         if schedule is None:
             schedule = build(kind, N, micro_batches, iterations, stage_ipus)
         ipus = schedule.stage_ipus
         t_fwd = [transfer_cost if s > 0 and ipus[s - 1] != ipus[s] else 0.0 for s in range(N)]
         t_bwd = [transfer_cost if s < N - 1 and ipus[s + 1] != ipus[s] else 0.0 for s in range(N)]
-        i_cost = None if input_grad_cost is None else per_stage(input_grad_cost, N, "input_grad_cost")
-        w_cost = None if weight_grad_cost is None else per_stage(weight_grad_cost, N,
-                                                                  "weight_grad_cost")
+        i_cost, w_cost = (None if c is None else per_stage(c, N, name) for c, name in (
+            (input_grad_cost, "input_grad_cost"), (weight_grad_cost, "weight_grad_cost")))
         costs = split_costs(fwd, bwd, stp, weight_share, i_cost, w_cost)
         exposed = bool(exposed_transfers and transfer_cost)
-        hidden = paired_actions(schedule.lanes) if exposed and schedule.kind == "dualpipev" \
-            else None
+        hidden = paired_actions(schedule.lanes) if exposed and schedule.kind == "dualpipev" else None
         times = walk(schedule.lanes, N, costs, {FORWARD: t_fwd, BACKWARD: t_bwd},
                      start_time=host_overhead, cores=cores, replicas=replicas,
                      exposed=exposed, hidden=hidden)
@@ -97,8 +92,7 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
             for lane, lane_times in zip(schedule.lanes, times[replica]):
                 events += lane_events(lane, lane_times, ipus, replica)
     meta = {"schedule": schedule.kind, "kind": schedule.kind, "num_stages": N,
-            "micro_batches": micro_batches,
-            "iterations": iterations, "replicas": replicas,
+            "micro_batches": micro_batches, "iterations": iterations, "replicas": replicas,
             "forward_cost": fwd, "backward_cost": bwd, "step_cost": stp,
             "transfer_cost": transfer_cost, "host_overhead": host_overhead,
             "exposed_transfers": bool(exposed_transfers), "cores": cores}
@@ -109,8 +103,7 @@ def simulate(kind: str, num_stages: int, micro_batches: int, forward_cost: Cost 
 
 def lane_events(lane: Sequence[Action], lane_times: Sequence[Tuple[float, float]],
                 ipus: Sequence[int], replica: int, call: int = 0) -> List[Event]:
-    """A lane's actions at their modeled times, as events, built column by column in C
-    (``zip`` and ``map``: many times faster than a comprehension for long lanes)."""
+    """A lane's actions at their modeled times, as events (built column by column: fast)."""
     if not lane:
         return []
     kinds, stages, mbs, its = zip(*lane)
@@ -148,18 +141,15 @@ def host_spans(measured: Timeline) -> Tuple[float, float]:
     device = measured.device_events()
     if not device:
         return 0.0, 0.0
-    first = min(e.start for e in device)
-    last = max(e.end for e in device)
+    first, last = min(e.start for e in device), max(e.end for e in device)
     host = [e for e in measured.events if e.ipu < 0]
-    before = sum(e.duration for e in host if e.end <= first)
-    after = sum(e.duration for e in host if e.start >= last)
-    return before, after
+    return (sum(e.duration for e in host if e.end <= first),
+            sum(e.duration for e in host if e.start >= last))
 
 
 def paired_actions(lanes: List[List[Action]]) -> set:
-    """DualPipeV's overlapped pairs: a forward next to a full backward of the lane's other
-    stage (ipukit writes torch's ``OVERLAP_F_B`` as the forward, then the backward).
-    Returns the ``(lane, index)`` of both actions of every pair."""
+    """The ``(lane, index)`` of both actions of DualPipeV's overlapped pairs: a forward, then
+    a full backward of the lane's other stage (torch's ``OVERLAP_F_B``)."""
     out = set()
     for li, lane in enumerate(lanes):
         i = 0
@@ -174,12 +164,7 @@ def paired_actions(lanes: List[List[Action]]) -> set:
 
 
 def available_cores() -> int:
-    """Cores this process may run on: what the executor shares among its workers.
-
-    The executor sizes its workers' threads by the process's CPU affinity
-    (``os.sched_getaffinity``), which can be fewer than ``os.cpu_count()``
-    (containers, ``taskset``); model with the same number.
-    """
+    """Cores this process may run on (``os.sched_getaffinity``), as the executor counts them."""
     import os
 
     try:

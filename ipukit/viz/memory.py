@@ -1,18 +1,13 @@
 """How much memory each pipeline stage needs, and why the schedule matters.
 
-An IPU holds its stage's weights, their gradient accumulators, the optimiser
-state (unless ``TensorLocations`` keeps it in host memory) and — what
-pipelining changes — the activations of every micro-batch whose backward
-has not run yet. :func:`memory_report` counts the first three from the
-compiled model's own tensors, measures one micro-batch's activations per
-stage, and multiplies them by the micro-batches each schedule keeps in flight
-(:func:`activation_stash`): GPipe stashes the whole accumulation window,
-1F1B at most N − s on stage s, sharded execution one, inference none.
+An IPU holds its stage's weights, gradient accumulators, optimiser state (unless
+``TensorLocations`` keeps it in host memory) and the activations of every micro-batch
+whose backward has not run yet. :func:`memory_report` counts the first three from the
+model's tensors, measures one micro-batch's activations per stage and multiplies them by
+the micro-batches the schedule keeps in flight (:func:`activation_stash`).
 
-:func:`measured_memory` puts a call's *measured* peak per virtual IPU
-(``Timeline.memory``, recorded under ``ipukit.runtime.memory_track.track_memory()``)
-beside that model and a per-IPU refinement of it (:func:`ipu_stash_peak`: an IPU's stages'
-stashes added up at the same time; :func:`recompute_bytes`: what a recomputing stage keeps).
+:func:`measured_memory` puts a call's *measured* peak per virtual IPU (``Timeline.memory``)
+beside that model and a per-IPU refinement (:func:`ipu_stash_peak`, :func:`recompute_bytes`).
 """
 from __future__ import annotations
 
@@ -33,10 +28,8 @@ from ..schedules.registry import KINDS
 def activation_stash(kind: str, num_stages: int, micro_batches: int) -> List[int]:
     """Peak number of micro-batches whose activations each stage holds.
 
-    GPipe: all M (every forward runs before any backward); 1F1B: stage s
-    holds at most N − s (its warm-up forwards plus one); sharded: 1 (one
-    micro-batch goes through every stage and back); inference: 0 (nothing
-    waits for a backward).
+    GPipe: all M; 1F1B: N − s on stage s; sharded: 1; inference: 0; other kinds
+    read off the built schedule (:func:`stash_of`).
     """
     kind = kind.lower()
     if kind not in KINDS:
@@ -52,18 +45,13 @@ def activation_stash(kind: str, num_stages: int, micro_batches: int) -> List[int
         return [min(N - s, M) for s in range(N)]
     if kind.startswith("sharded"):
         return [1] * N
-    from ..schedules.build import build  # the modern kinds: read off the schedule on its placement
+    from ..schedules.build import build
 
     return stash_of(build(kind, N, M))
 
 
 def stash_of(schedule: Schedule) -> List[int]:
-    """Peak micro-batches held per stage, read off a schedule's action order.
-
-    Counts forwards whose backward (or, split, whose weight-gradient half) has
-    not run yet, stage by stage; for GPipe and 1F1B this equals
-    :func:`activation_stash`.
-    """
+    """Peak micro-batches held per stage: forwards whose backward (or ``W``) has not run yet."""
     held = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages
     if not schedule.training:
@@ -84,10 +72,9 @@ def stash_of(schedule: Schedule) -> List[int]:
 class MemoryReport:
     """Bytes per pipeline stage (per replica); ``stages`` is a list of dicts.
 
-    Per stage: ``parameter_bytes``, ``gradient_accumulator_bytes``,
-    ``optimizer_state_bytes`` (``optimizer_state_source``: ``"state"`` when
-    counted from the optimiser's tensors, ``"formula"`` when estimated),
-    split into ``optimizer_state_on_chip_bytes`` / ``optimizer_state_host_bytes``,
+    Per stage: ``parameter_bytes``, ``gradient_accumulator_bytes``, ``optimizer_state_bytes``
+    (``optimizer_state_source``: ``"state"`` counted or ``"formula"``), split into
+    ``optimizer_state_on_chip_bytes`` / ``optimizer_state_host_bytes``,
     ``activation_bytes_per_micro_batch``, ``micro_batches_in_flight``,
     ``activation_stash_bytes`` and ``total_on_chip_bytes``.
     """
@@ -131,12 +118,7 @@ def tensor_bytes(tensors) -> int:
 
 
 def _unique(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+    return list({id(p): p for p in params}.values())
 
 
 def _state_multiple(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[float]:
@@ -168,7 +150,7 @@ def optimizer_state_bytes(optimizer, params: Sequence[torch.nn.Parameter]) -> Tu
             continue
         group = group_of.get(id(p))
         if group is None:
-            continue  # not optimised: no state
+            continue
         multiple = _state_multiple(optimizer, group)
         if multiple is None:
             source = "unknown"
@@ -187,23 +169,13 @@ def _storage_key(t: torch.Tensor):
     try:
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. wrappers)
+    except (RuntimeError, NotImplementedError):
         return id(t), t.numel() * t.element_size()
 
 
 def _sample_inputs(model) -> List[torch.Tensor]:
-    """One micro-batch of synthetic inputs with the compiled shapes and dtypes."""
-    sig = model.program.signature
-    tensors = []
-    for entry in sig:
-        if entry[0] != "tensor":
-            continue
-        _, shape, dtype = entry
-        if dtype.is_floating_point or dtype.is_complex:
-            tensors.append(torch.randn(shape, dtype=dtype))
-        else:
-            tensors.append(torch.zeros(shape, dtype=dtype))
-    return tensors
+    return [(torch.randn if e[2].is_floating_point or e[2].is_complex else torch.zeros)(
+        e[1], dtype=e[2]) for e in model.program.signature if e[0] == "tensor"]
 
 
 @contextmanager
@@ -229,25 +201,20 @@ def _stage_args(plan, stage, flat, outputs) -> list:
     device = plan.device_of(stage.index)
     args = []
     for ref in stage.args:
+        v = ref.value
         if ref.kind == "input":
             v = flat[ref.index].to(device)
         elif ref.kind == "stage":
             v = outputs[ref.index][0 if ref.item is None else ref.item]
             if isinstance(v, torch.Tensor):
-                needs_grad = v.requires_grad
-                v = v.detach().to(device)
-                if needs_grad:
-                    v.requires_grad_()
-        else:
-            v = ref.value
+                v = v.detach().to(device).requires_grad_(v.requires_grad)
         args.append(v)
     return args
 
 
 def _held_bytes(stage, args) -> Tuple[int, tuple]:
     """Run one stage; bytes of its stashed inputs/outputs and autograd's saved tensors."""
-    own = {_storage_key(t)[0] for t in list(stage.module.parameters())
-           + list(stage.module.buffers())}
+    own = {_storage_key(t)[0] for t in (*stage.module.parameters(), *stage.module.buffers())}
     held: Dict[Any, int] = {}
 
     def keep(t):
@@ -257,10 +224,8 @@ def _held_bytes(stage, args) -> Tuple[int, tuple]:
                 held[ptr] = max(held.get(ptr, 0), nbytes)
         return t
 
-    for v in args:
-        keep(v)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        out = stage.module(*args)
+        out = stage.module(*map(keep, args))
     outs = out if stage.tuple_output else (out,)
     for v in outs:
         keep(v)
@@ -270,16 +235,14 @@ def _held_bytes(stage, args) -> Tuple[int, tuple]:
 def activation_bytes(model) -> List[int]:
     """Bytes one micro-batch leaves alive on each stage until its backward runs.
 
-    Runs one synthetic micro-batch forward through the stage modules (as the
-    executor does: each stage's inputs detached, gradients on) and counts,
-    without duplicates, the tensors autograd saves plus the stage's inputs and
-    outputs the executor stashes; parameters and buffers are not activations.
-    Weights, buffers and the random state are left as they were. Cached per
-    compiled model. An inference model runs without gradients and keeps nothing.
+    Runs one synthetic micro-batch through the stages as the executor does and counts,
+    without duplicates, what autograd saves plus the stashed inputs and outputs (not
+    parameters or buffers); state is left as it was. Cached per compiled model; an
+    inference model keeps nothing.
     """
     plan = model.program
     if not plan.training:
-        return [0] * plan.partition.num_stages   # run without gradients: nothing is kept
+        return [0] * plan.partition.num_stages
     cached = _ACTIVATIONS.get(id(plan))
     if cached is not None and cached[0]() is plan:
         return list(cached[1])
@@ -301,12 +264,10 @@ def activation_bytes(model) -> List[int]:
 def stage_tensor_bytes(model, inputs: Optional[Sequence[torch.Tensor]] = None) -> List[Dict[str, Any]]:
     """Per stage, what one micro-batch's forward really keeps, measured: bytes by kind.
 
-    Runs one micro-batch (``inputs``; default synthetic) through the stage modules as the
-    executor does (a recomputing stage under ``torch.utils.checkpoint``) and counts, without
-    duplicates: ``saved_bytes`` (what autograd saves), ``input_bytes`` / ``output_bytes`` (what
-    the executor stashes), ``held_bytes`` (all of them), ``sent_bytes`` (activations handed to
-    other IPUs). Parameters and buffers are not counted; weights, buffers and the random state
-    are left as they were.
+    Runs one micro-batch (``inputs``, default synthetic) as the executor does (a recomputing
+    stage under ``torch.utils.checkpoint``) and counts, without duplicates: ``saved_bytes``,
+    ``input_bytes`` / ``output_bytes``, ``held_bytes`` (all of them) and ``sent_bytes`` (handed
+    to other IPUs). Parameters and buffers are not counted; state is left as it was.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -321,8 +282,7 @@ def stage_tensor_bytes(model, inputs: Optional[Sequence[torch.Tensor]] = None) -
         flat = ([t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
                 if inputs is not None else _sample_inputs(model))
         for st in stages:
-            own = {_storage_key(t)[0] for t in list(st.module.parameters())
-                   + list(st.module.buffers())}
+            own = {_storage_key(t)[0] for t in (*st.module.parameters(), *st.module.buffers())}
             kept: Dict[str, Dict[Any, int]] = {"saved": {}, "input": {}, "output": {}}
 
             def note(where, t):
@@ -332,9 +292,7 @@ def stage_tensor_bytes(model, inputs: Optional[Sequence[torch.Tensor]] = None) -
                         kept[where][ptr] = max(kept[where].get(ptr, 0), nbytes)
                 return t
 
-            args = _stage_args(plan, st, flat, outputs)
-            for v in args:
-                note("input", v)
+            args = [note("input", v) for v in _stage_args(plan, st, flat, outputs)]
             with torch.autograd.graph.saved_tensors_hooks(lambda t: note("saved", t),
                                                           lambda t: t):
                 out = (checkpoint(st.module, *args, use_reentrant=False)
@@ -361,9 +319,8 @@ def memory_report(model, schedule_kind: Optional[str] = None,
                   micro_batches: Optional[int] = None) -> MemoryReport:
     """Memory per stage of a compiled ipukit model, for its schedule or another one.
 
-    ``schedule_kind`` / ``micro_batches`` default to the model's own schedule
-    (its kind and accumulation window); give others to see what e.g. GPipe
-    with 32 micro-batches would need for the same stages.
+    ``schedule_kind`` / ``micro_batches`` default to the model's own; give others to see
+    what e.g. GPipe with 32 micro-batches would need for the same stages.
     """
     plan = getattr(model, "program", None)
     if plan is None:
@@ -380,10 +337,8 @@ def memory_report(model, schedule_kind: Optional[str] = None,
                          "model (use 'gpipe', '1f1b' or 'sharded')")
     if not plan.training and "inference" not in kind:
         kind = "sharded-inference" if kind.startswith("sharded") else "inference"
-    if kind == schedule.kind and M == schedule.micro_batches:
-        in_flight = stash_of(schedule)
-    else:
-        in_flight = activation_stash(kind, N, M)
+    in_flight = (stash_of(schedule) if kind == schedule.kind and M == schedule.micro_batches
+                 else activation_stash(kind, N, M))
     per_mb = activation_bytes(model)
     optimizer = model.optimizer if plan.training else None
     on_chip = options.TensorLocations.on_chip("optimizer")
@@ -406,10 +361,9 @@ def memory_report(model, schedule_kind: Optional[str] = None,
             "micro_batches_in_flight": in_flight[st.index],
             "activation_stash_bytes": per_mb[st.index] * in_flight[st.index],
         }
-        entry["total_on_chip_bytes"] = (entry["parameter_bytes"]
-                                        + entry["gradient_accumulator_bytes"]
-                                        + entry["optimizer_state_on_chip_bytes"]
-                                        + entry["activation_stash_bytes"])
+        entry["total_on_chip_bytes"] = sum(entry[k] for k in (
+            "parameter_bytes", "gradient_accumulator_bytes", "optimizer_state_on_chip_bytes",
+            "activation_stash_bytes"))
         stages.append(entry)
     notes = []
     if any(st["optimizer_state_source"] == "formula" for st in stages):
@@ -430,14 +384,13 @@ def memory_report(model, schedule_kind: Optional[str] = None,
 class MeasuredMemory:
     """A call's measured peak per virtual IPU beside the modeled report (replica 0).
 
-    Per IPU (``rows``): ``measured_peak_bytes``, ``measured_baseline_bytes`` (alive at the
-    start), ``measured_end_bytes``, ``measured_above_baseline_bytes``, ``measured_held_bytes``
-    (the most alive as a pass starts: what the IPU holds between passes); ``modeled_bytes``
-    (:func:`memory_report`'s total over the IPU's stages), ``modeled_static_bytes``,
-    ``modeled_stash_bytes``, ``modeled_ipu_bytes`` (static plus :func:`ipu_stash_peak`, the
-    IPU's stashes at the same time, recomputation counted by :func:`recompute_bytes`),
-    ``modeled_held_bytes`` (the same without a backward's rebuilt activations), ``ratio``
-    (measured ÷ modeled) and ``allocator_peak_bytes`` (GPU only).
+    Per IPU (``rows``): ``measured_peak_bytes``, ``measured_baseline_bytes`` (at the start),
+    ``measured_end_bytes``, ``measured_above_baseline_bytes``, ``measured_held_bytes`` (the
+    most alive as a pass starts); ``modeled_bytes`` (:func:`memory_report`'s total),
+    ``modeled_static_bytes``, ``modeled_stash_bytes``, ``modeled_ipu_bytes`` (static plus
+    :func:`ipu_stash_peak` with :func:`recompute_bytes`), ``modeled_held_bytes`` (the same
+    without a backward's rebuilt activations), ``ratio`` (measured ÷ modeled) and
+    ``allocator_peak_bytes`` (GPU only).
     """
 
     rows: List[Dict[str, Any]]
@@ -465,11 +418,9 @@ def ipu_stash_peak(schedule: Schedule, per_micro_batch: Sequence[int],
                    rebuilt: Optional[Sequence[int]] = None) -> Dict[int, int]:
     """Peak activation bytes per virtual IPU, its stages' stashes added up *at the same time*.
 
-    :func:`stash_of` gives each stage's own peak; an IPU holding two stages (a loop, a V)
-    rarely holds both peaks at once, so this walks each IPU's lane in order instead. A
-    forward adds ``per_micro_batch[s]``; a backward (``B``) frees it; a split backward's
-    ``I`` adds ``rebuilt[s]`` (a recomputing stage rebuilds its graph there and keeps it for
-    ``W``), and ``W`` frees both.
+    Walks each IPU's lane: a forward adds ``per_micro_batch[s]``, ``B`` frees it, a split
+    backward's ``I`` adds ``rebuilt[s]`` (a recomputing stage's rebuilt graph, kept for ``W``)
+    and ``W`` frees both.
     """
     rebuilt = list(rebuilt) if rebuilt is not None else [0] * schedule.num_stages
     peaks: Dict[int, int] = {}
@@ -496,21 +447,19 @@ def recompute_bytes(model) -> List[Tuple[int, int]]:
     """Per stage of a training model: (bytes one micro-batch keeps until its backward, bytes
     its backward rebuilds on top), recomputation counted.
 
-    A stage that recomputes (:func:`ipukit.recomputation_checkpoint`) keeps only its inputs
-    and outputs, then rebuilds its saved tensors while that micro-batch's backward runs:
-    (inputs + outputs, :func:`activation_bytes` − that). Other stages: (:func:`activation_bytes`, 0).
+    A recomputing stage (:func:`ipukit.recomputation_checkpoint`): (inputs + outputs,
+    :func:`activation_bytes` − that); other stages: (:func:`activation_bytes`, 0).
     """
     full = activation_bytes(model)
     plan = model.program
     if not plan.training or not any(st.recompute for st in plan.partition.stages):
         return [(b, 0) for b in full]
-    kept = stage_tensor_bytes(model)   # a recomputing stage runs under checkpoint there
+    kept = stage_tensor_bytes(model)
     return [(st["held_bytes"], max(0, full[st["stage"]] - st["held_bytes"])) if st["recompute"]
             else (full[st["stage"]], 0) for st in kept]
 
 
 def _level_at(samples, t: float) -> int:
-    """Bytes alive at time ``t`` (the last sample at or before it)."""
     import bisect
 
     i = bisect.bisect_right(samples, (t, float("inf")))
@@ -521,8 +470,8 @@ def measured_memory(model, timeline=None) -> MeasuredMemory:
     """The measured peak per virtual IPU of a call (``timeline``, default the model's last)
     beside :func:`memory_report`'s modeled bytes for the same schedule.
 
-    The call must have tracked its memory: run it inside
-    ``ipukit.runtime.memory_track.track_memory()`` (or with ``IPUKIT_TRACK_MEMORY=1``).
+    The call must have run inside ``ipukit.runtime.memory_track.track_memory()``
+    (or with ``IPUKIT_TRACK_MEMORY=1``).
     """
     timeline = model.getTimeline() if timeline is None else timeline
     tracks = [m for m in getattr(timeline, "memory", []) if m.replica == 0]
@@ -532,12 +481,8 @@ def measured_memory(model, timeline=None) -> MeasuredMemory:
                               "IPUKIT_TRACK_MEMORY=1), then ask again.")
     report = memory_report(model)
     modeled = report.per_ipu()
-    static = {}
-    for st in report.stages:
-        static[st["ipu"]] = static.get(st["ipu"], 0) + (
-            st["parameter_bytes"] + st["gradient_accumulator_bytes"]
-            + st["optimizer_state_on_chip_bytes"])
     stash = report.per_ipu("activation_stash_bytes")
+    static = {ipu: b - stash[ipu] for ipu, b in modeled.items()}
     plan = model.program
     same = (report.schedule_kind == plan.schedule.kind
             and report.micro_batches == plan.schedule.micro_batches)
@@ -545,8 +490,8 @@ def measured_memory(model, timeline=None) -> MeasuredMemory:
     together = (ipu_stash_peak(plan.schedule, [k for k, _ in kept], [r for _, r in kept])
                 if same else dict(stash))
     rebuilt: Dict[int, int] = {}
-    if not plan.schedule.split_backward:   # (split: I's rebuilt graph is in the walk above)
-        for st in report.stages:   # one micro-batch's recomputed activations, during its B
+    if not plan.schedule.split_backward:   # split: I's rebuilt graph is in the walk above
+        for st in report.stages:
             rebuilt[st["ipu"]] = max(rebuilt.get(st["ipu"], 0), kept[st["stage"]][1])
     everything = sum(modeled.values())
     rows = []

@@ -22,20 +22,12 @@ from ..timeline.costs import agreement
 from ..timeline.events import COMPUTE_KINDS, Timeline
 
 # PopVision's convention: forward passes green, backward passes red.
-COLOURS = {
-    "forward": "#3a9a4b",
-    "backward": "#d9463e",
-    # a backward split in two (zero-bubble schedules): the input gradient, then the weights'
-    "input-grad": "#f08a24",
-    "weight-grad": "#7b4fa8",
-    "step": "#8a8a8a",
-    "host": "#7b93b0",
-    "transfer": "#b8c4d3",
-}
+COLOURS = {"forward": "#3a9a4b", "backward": "#d9463e", "input-grad": "#f08a24",
+           "weight-grad": "#7b4fa8", "step": "#8a8a8a", "host": "#7b93b0", "transfer": "#b8c4d3"}
 KIND_ORDER = ("forward", "backward", "input-grad", "weight-grad", "step", "transfer", "host")
 LABELS = {"forward": "forward", "backward": "backward", "step": "optimiser step (host)",
-          "transfer": "host ↔ device transfer", "host": "host"}
-LABELS.update({"input-grad": "input gradient (I)", "weight-grad": "weight gradient (W)"})
+          "transfer": "host ↔ device transfer", "host": "host",
+          "input-grad": "input gradient (I)", "weight-grad": "weight gradient (W)"}
 #: The parts of :meth:`Timeline.idle_breakdown`, in drawing order, with their colours.
 BREAKDOWN_PARTS = (
     ("busy", "busy (forward, backward)", "#3a9a4b"),
@@ -64,41 +56,27 @@ def _track_name(ipu: int, replica: int) -> str:
 
 
 def track_order(timeline: Timeline) -> List[str]:
-    """Row names of the Gantt chart, top to bottom: IPU 0 first, its replicas next, host last.
-
-    Optimiser steps are drawn on the host row, where ipukit runs them.
-    """
+    """Row names of the Gantt chart, top to bottom: IPU 0, its replicas, ..., host (and steps)."""
     keys = {(e.ipu, e.replica) if e.kind != "step" else (-1, 0) for e in timeline.events}
     keys |= {(e.ipu, e.replica) for e in timeline.device_events()}
     order = sorted(keys, key=lambda k: (k[0] < 0, k[0], k[1]))
-    names = []
-    for ipu, replica in order:
-        name = _track_name(ipu, replica)
-        if name not in names:
-            names.append(name)
-    return names
+    return list(dict.fromkeys(_track_name(ipu, replica) for ipu, replica in order))
 
 
 def _timeline_traces(timeline: Timeline, show_micro_batches: bool = True,
                      legend: bool = True, group: str = "") -> List[go.Bar]:
-    """One horizontal bar trace per kind of work; bars start at ``base`` (ms).
-
-    Columns go in as numpy arrays and the hover text is a template over
-    ``customdata``, so tens of thousands of bars stay quick to build.
-    """
+    """One horizontal bar trace per kind of work, bars from ``base`` (ms)."""
     t0 = timeline.start
     by_kind: Dict[str, List] = {}
     for e in timeline.events:
         if e.kind != "step":
             by_kind.setdefault(e.kind, []).append(e)
-    steps = timeline.host_steps()          # one bar per step, on the host row
-    if steps:
-        by_kind["step"] = steps
+    if timeline.host_steps():
+        by_kind["step"] = timeline.host_steps()
     kinds = [k for k in KIND_ORDER if k in by_kind] + sorted(set(by_kind) - set(KIND_ORDER))
     traces = []
     for kind in kinds:
         events = by_kind[kind]
-        # columns: start, end, stage, micro-batch, iteration, call
         cols = np.array([(e.start, e.end, e.stage, e.micro_batch, e.iteration, e.call)
                          for e in events], dtype=float)
         base = (cols[:, 0] - t0) * 1e3
@@ -131,14 +109,10 @@ def schedule_name(kind) -> str:
 
 def _describe(timeline: Timeline) -> str:
     meta = timeline.meta
-    parts = []
     kind = meta.get("kind") or meta.get("schedule")
-    if kind:
-        parts.append(schedule_name(kind))
-    if meta.get("num_stages"):
-        parts.append(f"{meta['num_stages']} stages")
-    if meta.get("micro_batches"):
-        parts.append(f"{meta['micro_batches']} micro-batches")
+    parts = [schedule_name(kind)] if kind else []
+    parts += [f"{meta[k]} {w}" for k, w in (("num_stages", "stages"),
+                                            ("micro_batches", "micro-batches")) if meta.get(k)]
     if timeline.events:
         parts.append(f"{timeline.time_per_call() * 1e3:.2f} ms per call")
         if timeline.iterations > 1:
@@ -151,7 +125,7 @@ def _describe(timeline: Timeline) -> str:
 
 
 def _legend_once(fig: go.Figure) -> go.Figure:
-    """One legend entry per kind drawn in any panel (the first trace of each group)."""
+    """One legend entry per kind drawn in any panel."""
     seen = set()
     for trace in fig.data:
         if trace.showlegend is not False:
@@ -171,18 +145,16 @@ def timeline_figure(timeline: Timeline, title: Optional[str] = None,
                     show_micro_batches: bool = True) -> go.Figure:
     """A PopVision-style Gantt chart: one row per virtual IPU (and the host), time in ms.
 
-    Forward spans are green, backward red, optimiser steps grey (on the host
-    row: ipukit steps every stage's weights in one host operation); micro-batch
-    numbers are written on the bars (``show_micro_batches``); idle time
-    (pipeline bubbles) is the empty space between bars. The title says whether
-    the timeline was ``measured`` or ``modeled``.
+    Forward green, backward red, optimiser steps grey on the host row (ipukit
+    steps every stage in one host operation); micro-batch numbers on the bars
+    (``show_micro_batches``); bubbles are the gaps. The title says ``measured``
+    or ``modeled``.
     """
     rows = track_order(timeline)
-    heading = title or "Pipeline timeline"
     detail = _describe(timeline)
     fig = go.Figure(data=_timeline_traces(timeline, show_micro_batches))
     fig.update_layout(
-        title=dict(text=f"{heading} — {timeline.label}"
+        title=dict(text=f"{title or 'Pipeline timeline'} — {timeline.label}"
                    + (f"<br><sup>{detail}</sup>" if detail else "")),
         barmode="overlay", bargap=0.25, font=_FONT, template="plotly_white",
         height=max(220, 70 + 46 * len(rows)), margin=dict(l=10, r=10, t=70, b=40),
@@ -196,10 +168,8 @@ def timeline_figure(timeline: Timeline, title: Optional[str] = None,
 def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
     """Two timelines stacked on a shared time axis, each titled with its label."""
     rows = [track_order(measured), track_order(modeled)]
-    titles = []
-    for tl in (measured, modeled):
-        detail = _describe(tl)
-        titles.append(f"{tl.label}" + (f" — {detail}" if detail else ""))
+    titles = [tl.label + (f" — {_describe(tl)}" if _describe(tl) else "")
+              for tl in (measured, modeled)]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=titles, row_heights=[len(rows[0]) or 1, len(rows[1]) or 1])
     for i, tl in enumerate((measured, modeled), start=1):
@@ -214,10 +184,8 @@ def compare_figure(measured: Timeline, modeled: Timeline) -> go.Figure:
                            align="left", font=dict(size=10, color="#555"))
     fig.update_layout(title=dict(text="Measured vs modeled<br><sup>"
                                  + agreement(measured, modeled) + "</sup>"),
-                      barmode="overlay", bargap=0.25,
-                      font=_FONT, template="plotly_white",
-                      height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1])))
-                      + 30 * len(notes),
+                      barmode="overlay", bargap=0.25, font=_FONT, template="plotly_white",
+                      height=max(320, 140 + 40 * (len(rows[0]) + len(rows[1]))) + 30 * len(notes),
                       margin=dict(l=10, r=10, t=80, b=40 + 30 * len(notes)),
                       uniformtext=dict(minsize=8, mode="hide"),
                       legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="right", x=1.0))
@@ -241,16 +209,14 @@ def utilisation_figure(timeline_or_utilisation_dict: Union[Timeline, Mapping[str
                        title: Optional[str] = None) -> go.Figure:
     """Busy share of each virtual IPU in %, with the overall value in the title and as a line.
 
-    From a timeline, the subtitle starts with its speed (time per step,
-    samples/s): utilisation explains a speed, it does not replace it. Accepts a :class:`~ipukit.Timeline`, the dict of :meth:`Timeline.utilisation`,
-    or a bare ``{ipu: fraction}``.
+    Accepts a :class:`~ipukit.Timeline` (the subtitle then starts with its speed),
+    the dict of :meth:`Timeline.utilisation`, or a bare ``{ipu: fraction}``.
     """
     source = timeline_or_utilisation_dict
     per_ipu, overall = _utilisation_of(source)
     names = [f"IPU {k}" if isinstance(k, int) else str(k) for k in per_ipu]
     values = [100.0 * v for v in per_ipu.values()]
-    label = ""
-    speed = ""
+    label = speed = ""
     if isinstance(source, Timeline):
         label = f" — {source.label}"
         if source.events:
@@ -288,9 +254,8 @@ def _unit(max_bytes: float) -> Tuple[str, float]:
 def memory_figure(report) -> go.Figure:
     """Stacked bars per stage: parameters, gradient accumulators, optimiser state, activations.
 
-    Optimiser state kept in host memory (``TensorLocations`` off chip) is drawn
-    hatched, on top, and named as such. ``report`` is a
-    :class:`~ipukit.viz.memory.MemoryReport` or its ``to_dict()``.
+    Optimiser state in host memory (``TensorLocations`` off chip) is hatched, on
+    top. ``report`` is a :class:`~ipukit.viz.memory.MemoryReport` or its ``to_dict()``.
     """
     data = report.to_dict() if hasattr(report, "to_dict") else dict(report)
     stages = data.get("stages", [])
@@ -322,10 +287,9 @@ def memory_figure(report) -> go.Figure:
 
 
 def memory_timeline_figure(timeline: Timeline, title: Optional[str] = None) -> go.Figure:
-    """The schedule (a Gantt chart) with each virtual IPU's measured memory drawn under it.
+    """The Gantt chart with each virtual IPU's measured memory (``Timeline.memory``) under it.
 
-    Needs a timeline whose call tracked its memory (``Timeline.memory``): bytes alive
-    per IPU over the call, one line each, the peak marked; without it, the schedule alone.
+    One line of bytes alive per IPU, the peak marked; without tracked memory, the schedule alone.
     """
     rows = track_order(timeline)
     tracks = [m for m in timeline.memory if m.samples]
@@ -338,7 +302,7 @@ def memory_timeline_figure(timeline: Timeline, title: Optional[str] = None) -> g
         fig.add_trace(trace, row=1, col=1)
     _gantt_axes(fig, rows, row=1)
     unit, size = _unit(max(m.peak for m in tracks))
-    t0 = timeline.start   # the Gantt chart's time origin
+    t0 = timeline.start
     palette = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
     for i, m in enumerate(tracks):
         colour = palette[i % len(palette)]
@@ -368,9 +332,8 @@ def memory_timeline_figure(timeline: Timeline, title: Optional[str] = None) -> g
 def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
     """Loss (left axis) and accuracy in % (right axis) against the step.
 
-    ``history`` holds dicts with ``step``, ``loss`` and ``accuracy`` (missing or
-    None values are skipped). Accuracy is taken as a percentage, unless every
-    value is at most 1, then as a fraction.
+    ``history``: dicts with ``step``, ``loss``, ``accuracy`` (None skipped). Accuracy
+    is a percentage, or a fraction when every value is at most 1.
     """
     rows = list(history)
     steps = [r.get("step", i) for i, r in enumerate(rows)]
@@ -400,19 +363,14 @@ def loss_accuracy_figure(history: Iterable[Mapping[str, Any]]) -> go.Figure:
 def breakdown_figure(runs: Mapping[str, Timeline], title: Optional[str] = None) -> go.Figure:
     """One stacked bar per run: busy, bubble, imbalance, host and step as % of its IPU time.
 
-    Each run's label carries its speed (ms per step, samples/s when known),
-    which is what the runs are compared by; the bars explain it (see
-    :meth:`Timeline.idle_breakdown`). The textbook bubble (N − 1)/(M + N − 1)
-    is in the hover text.
+    Each run's label carries its speed (ms per step, samples/s when known); the
+    bars explain it (:meth:`Timeline.idle_breakdown`). The hover gives the
+    textbook bubble (N − 1)/(M + N − 1).
     """
-    names, rows = [], []
-    for name, tl in runs.items():
-        b = tl.idle_breakdown()
-        speed = f"{tl.time_per_step() * 1e3:.1f} ms/step"
-        if tl.meta.get("samples"):
-            speed += f" · {tl.throughput():,.0f} samples/s"
-        names.append(f"{name}<br>{speed}")
-        rows.append(b)
+    names = [f"{name}<br>{tl.time_per_step() * 1e3:.1f} ms/step"
+             + (f" · {tl.throughput():,.0f} samples/s" if tl.meta.get("samples") else "")
+             for name, tl in runs.items()]
+    rows = [tl.idle_breakdown() for tl in runs.values()]
     fig = go.Figure()
     for key, label, colour in BREAKDOWN_PARTS:
         values = [100.0 * r["shares"][key] for r in rows]
@@ -433,7 +391,7 @@ def breakdown_figure(runs: Mapping[str, Timeline], title: Optional[str] = None) 
 
 
 def _idle_spans(timeline: Timeline) -> List[Tuple[str, float, float]]:
-    """(row, start, end) of every stretch a virtual IPU spends without a forward or backward."""
+    """(row, start, end) of every stretch a virtual IPU computes nothing."""
     t0, t1 = timeline.start, timeline.end
     busy: Dict[str, List[Tuple[float, float]]] = {}
     for e in timeline.device_events():
@@ -452,15 +410,13 @@ def _idle_spans(timeline: Timeline) -> List[Tuple[str, float, float]]:
 
 
 def _unit_costs(forward_cost: float, backward_cost: float, kinds: Sequence[str]) -> str:
-    """The grid's subtitle: what a pass costs (a split backward's I and W halves too)."""
     from ..schedules.generators import SPLIT_BACKWARD
 
-    if forward_cost == backward_cost == 1.0 and not set(kinds) & set(SPLIT_BACKWARD):
+    split = bool(set(kinds) & set(SPLIT_BACKWARD))
+    if forward_cost == backward_cost == 1.0 and not split:
         return "each pass takes one unit"
-    text = f"a forward takes {forward_cost:g} unit, a backward {backward_cost:g}"
-    if set(kinds) & set(SPLIT_BACKWARD):
-        text += f" (split: I and W {backward_cost / 2:g} each)"
-    return text
+    return (f"a forward takes {forward_cost:g} unit, a backward {backward_cost:g}"
+            + (f" (split: I and W {backward_cost / 2:g} each)" if split else ""))
 
 
 def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
@@ -468,11 +424,9 @@ def schedule_grid_figure(num_stages: int = 4, micro_batches: int = 8,
                          forward_cost: float = 1.0, backward_cost: float = 1.0) -> go.Figure:
     """The idealised schedules side by side: unit-cost passes, the bubble shaded.
 
-    One panel per schedule kind, time in units of one pass: micro-batches are
-    numbered on the bars, idle cells are shaded grey (the bubble, which is
-    exactly (N − 1)/(M + N − 1) of each row here), and each row's label names
-    the most micro-batches whose activations that stage holds at once (its
-    activation stash: GPipe M on every stage, 1F1B N − s).
+    One panel per kind, time in units of one pass, micro-batches numbered, idle
+    cells shaded (the bubble: (N − 1)/(M + N − 1) of each row for GPipe and
+    1F1B); each row names its stage's activation stash at most (GPipe M, 1F1B N − s).
     """
     from ..timeline.simulate import simulate
 
@@ -537,14 +491,12 @@ def schedule_comparison_figure(rows: Sequence[Mapping[str, Any]], selected: Opti
                                title: Optional[str] = None) -> go.Figure:
     """Every schedule side by side: time per optimiser step, bubble and peak activations.
 
-    ``rows`` are dicts with ``schedule``, ``ipus``, ``available``, ``reason``,
-    ``time_per_step`` (s), ``bubble`` (share) and ``peak_activations`` (units of
-    one stage's activations of one micro-batch), e.g. from
-    :func:`ipukit.widgets.comparison.schedule_rows`. A schedule that cannot run
-    has no bar (its hover text says why); ``selected`` is drawn darker. Three
-    bar traces, one per panel, named by the panel titles. When the bars run on
-    different numbers of IPUs, the title says so and each bar's hover gives its
-    IPU-time per step (time × IPUs), the fair measure of cost.
+    ``rows``: dicts with ``schedule``, ``ipus``, ``available``, ``reason``,
+    ``time_per_step`` (s), ``bubble`` (share), ``peak_activations`` (stage ×
+    micro-batch units), e.g. from :func:`ipukit.widgets.comparison.schedule_rows`.
+    A schedule that cannot run has no bar (the hover says why); ``selected`` is
+    darker; one bar trace per panel, named by its title. On mixed IPU counts the
+    title says so and the hover gives IPU-time per step.
     """
     names = [f"{r['schedule']}<br>{r['ipus']} IPUs" if r.get("available", True)
              else f"{r['schedule']}<br>—" for r in rows]

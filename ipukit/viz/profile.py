@@ -2,9 +2,8 @@
 
 ``Options().profileDir(path)`` writes both after every call, PopVision-style:
 the trace opens in Perfetto or ``chrome://tracing``; the HTML report embeds
-plotly.js, so it opens offline (about 4.5 MB per report). File names carry the
-model kind and the call number, plus a model number when several models of
-the same kind write to one folder, so calls never overwrite each other.
+plotly.js, so it opens offline. File names carry the model kind, a model number
+(for a second model of the kind in one folder) and the call number.
 """
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ def _model_number(directory: str, kind: str, model) -> int:
     """0 for the first model of a kind writing to ``directory``, then 1, 2, ..."""
     if model is None:
         return 0
-    key = (directory, kind)
     with _lock:
-        numbers = _models.setdefault(key, {})
+        numbers = _models.setdefault((directory, kind), {})
         for number, ref in numbers.items():
             if ref() is model:
                 return number
@@ -78,45 +76,32 @@ def _summary(timeline: Timeline) -> Dict[str, Any]:
     return rows
 
 
-def _memory(model):
-    """The model's memory report, or None when there is none to draw."""
+def _memory(name: str, model, *args):
+    """:mod:`ipukit.viz.memory`'s ``name`` of a compiled ``model``, or None where it fails."""
     if model is None or getattr(model, "program", None) is None:
         return None
-    from .memory import memory_report
+    from . import memory
 
     try:
-        return memory_report(model)
+        return getattr(memory, name)(model, *args)
     except Exception:  # noqa: BLE001 - a report without memory beats no report
-        return None
-
-
-def _measured(model, timeline: Timeline):
-    """The measured memory beside the modeled one, when the call tracked it (else None)."""
-    if model is None or not timeline.memory or getattr(model, "program", None) is None:
-        return None
-    from .memory import measured_memory
-
-    try:
-        return measured_memory(model, timeline)
-    except Exception:  # noqa: BLE001 - the measured tracks are written either way
         return None
 
 
 def write_profile(timeline: Timeline, directory: str, model=None) -> Dict[str, str]:
     """Write ``<stem>.trace.json`` and ``<stem>.html`` into ``directory``; return their paths.
 
-    The HTML report holds the timeline, the utilisation per IPU and, for a
-    compiled ``model``, its memory per stage (also written as
-    ``<stem>.memory.json``). Keys of the result: ``trace``, ``html`` and
-    ``memory`` when written.
+    The HTML report holds the timeline, the utilisation per IPU and, for a compiled
+    ``model``, its memory per stage (also in ``<stem>.memory.json``). Keys of the
+    result: ``trace``, ``html`` and ``memory`` when written.
     """
     os.makedirs(directory, exist_ok=True)
     stem = profile_stem(timeline, directory, model)
     paths = {"trace": os.path.join(directory, f"{stem}.trace.json"),
              "html": os.path.join(directory, f"{stem}.html")}
     timeline.to_chrome_trace(paths["trace"])
-    report = _memory(model)
-    measured = _measured(model, timeline)
+    report = _memory("memory_report", model)
+    measured = _memory("measured_memory", model, timeline) if timeline.memory else None
     if report is not None or timeline.memory:
         paths["memory"] = os.path.join(directory, f"{stem}.memory.json")
         data = report.to_dict() if report is not None else {}
