@@ -1,8 +1,6 @@
-"""The kinds of work a timeline records, and which of them count as what.
-
-Shared by :mod:`ipukit.timeline` (busy time), :mod:`ipukit.timeline_analysis`
-(idle time, held activations) and the producers of events (executor, simulator,
-distributed runtime), which name their events with :data:`KIND_NAMES`.
+"""The kinds of work a timeline records, and which of them count as what (busy time, idle
+time, held activations); the executor, simulator and process runtime name their events with
+:data:`KIND_NAMES`.
 """
 
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-grad", "W": "weight-grad", "S": "step"}
