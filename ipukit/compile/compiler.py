@@ -320,13 +320,9 @@ def build_schedule(part: partition.Partition, strategy, opts: Options,
 
 
 def input_change(program: Program, model: torch.nn.Module, flat, spec, args, kwargs) -> str:
-    """How a call's inputs differ from those ``program`` was compiled for, in PopTorch's
-    words (``Shape mismatch for x: expected torch.Size([8, 8]) but got torch.Size([12, 8])``).
-
-    PopTorch raised these as errors; ipukit recompiles for the new inputs and warns with
-    this text. What stays an error is raised here, before anything is recompiled: a batch
-    that is not a multiple of the combined batch (``BatchSizeError``), a 0-d input when a
-    call consumes several micro-batches.
+    """How a call's inputs differ from the compiled ones, in PopTorch's words (``Shape mismatch for
+    x: expected ... but got ...``): ipukit recompiles and warns with it. What stays an error is
+    raised here first (``BatchSizeError``; a 0-d input when a call takes several micro-batches).
     """
     names = input_names(model, args, kwargs)
     check_inputs(names, flat)

@@ -106,12 +106,10 @@ _PUBLIC: Dict[Any, Optional[tuple]] = {}
 
 
 def public_op(target: Any) -> Optional[tuple]:
-    """``(node op, target)`` calling torch's public built-in for an aten overload
-    ``target`` (see the module docstring), or None where there is none or it may not be
-    the same call: ops outside ``aten``, private ops (``_``), ops whose first argument is
-    not a tensor or a list of them (factory functions, which torch's device and function
-    modes would change), and Python wrappers (``torch.nn.functional.relu``, whose
-    ``inplace`` argument is not aten's)."""
+    """``(node op, target)`` calling torch's public built-in for the aten overload ``target``, or
+    None where there is none or it may not be the same call (non-aten or private ops, ops whose
+    first argument is not a tensor or a list of them, Python wrappers).
+    """
     if not isinstance(target, torch._ops.OpOverload):
         return None
     if target in _PUBLIC:

@@ -32,11 +32,8 @@ from ..core.strategies import PipelinedExecution, ShardedExecution
 
 @dataclass(frozen=True)
 class Ref:
-    """Where a stage argument or a model output comes from.
-
-    ``kind`` is ``"input"`` (flat model input ``index``), ``"stage"`` (output
-    ``item`` of stage ``index``; ``item`` None when the stage returns a single
-    tensor) or ``"const"`` (a Python value fixed at trace time).
+    """Where a stage argument or model output comes from: ``"input"`` (flat model input ``index``),
+    ``"stage"`` (output ``item`` of stage ``index``; None: its only tensor) or ``"const"``.
     """
 
     kind: str
@@ -297,11 +294,8 @@ def _own_error(exc: BaseException) -> Optional[BaseException]:
 
 
 def _loss_index(flat_model: _FlatModel, marks: LossMarks) -> Tuple[Optional[int], bool]:
-    """(tensor position of the loss, whether identity_loss marked it).
-
-    The loss is the output passed through identity_loss; else an output named
-    ``loss`` (a dict's or a Hugging Face ``ModelOutput``'s ``"loss"`` entry);
-    else the last tensor output (PopTorch's ``return output, loss``).
+    """(tensor position of the loss, whether identity_loss marked it): the identity_loss output,
+    else an output named ``loss``, else the last tensor output.
     """
     leaves = flat_model.out_leaves
     tensor_leaves = [v for v in leaves if isinstance(v, torch.Tensor)]
@@ -369,12 +363,8 @@ def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
 
 def _check_contiguous_stages(strategy: PipelinedExecution,
                              begins: List[Tuple[str, int]]) -> None:
-    """PopART's rule for a pipeline: its stage ids are 0 .. n-1, none missing.
-
-    With ``AutoStage.SameAsIpu`` (the default) a block's stage id is its ``ipu_id``,
-    so blocks on IPUs 0 and 2 and none on IPU 1 make a pipeline with a missing
-    stage, which PopTorch (through PopART) refused. A model on one IPU is not
-    pipelined, and Stages or ``AutoStage.AutoIncrement`` number stages without gaps.
+    """PopART's rule for a pipeline: its stage ids are 0 .. n-1, none missing (with
+    ``AutoStage.SameAsIpu`` a block's stage id is its ``ipu_id``). One IPU is not a pipeline.
     """
     if strategy.auto_stage != AutoStage.SameAsIpu:
         return
@@ -509,11 +499,8 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
 
 
 def _mutated_inputs(split_gm: torch.nn.Module) -> frozenset:
-    """Indices of the tensor inputs that an in-place op in the trace writes to.
-
-    Micro-batches are views of the caller's batch and share its version
-    counter, so an in-place change to one (``x.mul_(2)``) would invalidate the
-    others saved for backward; the executor gives such inputs their own copy.
+    """Indices of the tensor inputs an in-place op in the trace writes to (micro-batches share
+    the caller's version counter, so the executor gives those inputs their own copy).
     """
     found = set()
     for module in split_gm.modules():
@@ -532,11 +519,7 @@ def _mutated_inputs(split_gm: torch.nn.Module) -> frozenset:
 
 
 def _fast(module: torch.nn.Module) -> torch.nn.Module:
-    """Run unflattened sub-modules through their generated code, not fx.Interpreter.
-
-    The splitter's ``InterpreterModule``s interpret their graph node by node in
-    Python by default; the generated code computes the same thing much faster.
-    """
+    """Run unflattened sub-modules through their generated code, not fx.Interpreter node by node."""
     from torch.export.unflatten import InterpreterModule
 
     for m in module.modules():

@@ -114,11 +114,8 @@ class _OptionGroup:
         return clone
 
     def __copy__(self):
-        """An independent copy that stays frozen when these options are frozen.
-
-        PopTorch's ``copy.copy`` shared its option values with the original; here
-        the copy owns its values (changing one never changes the other) and, like
-        PopTorch's, a copy of frozen options is frozen (``clone()`` unfreezes).
+        """An independent copy (it owns its values), frozen when these options are frozen, as
+        PopTorch's ``copy.copy`` (``clone()`` unfreezes).
         """
         clone = copy.deepcopy(self)
         if self._frozen:

@@ -134,10 +134,8 @@ class AnchorRecorder:
 
     def results(self, default_mode: OutputMode, batching: microbatch.Batching,
                 default_period: int = 1) -> Dict[str, torch.Tensor]:
-        """Each anchor's value for the call, shaped by its output mode.
-
-        An anchor without a mode of its own takes the model's ``default_mode``
-        and, under ``EveryN``, the model's ``default_period`` (PopTorch's rule).
+        """Each anchor's value for the call, shaped by its output mode (the model's ``default_mode``
+        and ``default_period`` when it has none).
         """
         by_iteration = microbatch.Batching(batching.device_iterations, 1, 1)
         out = {}

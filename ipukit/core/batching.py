@@ -92,11 +92,7 @@ def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str])
 
 
 def _join(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """Micro-batch outputs joined on dimension 0 (scalars stacked), PopTorch's batched output.
-
-    One tensor is returned as it is: PopTorch batched an output only when more than one
-    micro-batch (or replica) was returned, so a 0-d output stays 0-d.
-    """
+    """Micro-batch outputs joined on dimension 0 (scalars stacked); one tensor is returned as it is."""
     if len(tensors) == 1:
         return tensors[0]
     if tensors[0].dim() == 0:
@@ -119,10 +115,8 @@ def check_period(mode: OutputMode, period: int, batching: Batching) -> None:
 
 
 def returned_steps(mode: OutputMode, period: int, steps: int) -> List[int]:
-    """The steps (micro-batches of one replica, in call order) whose outputs ``mode`` reads.
-
-    The one home of this rule (threads, processes and the dashboard ask here): ``Final``
-    the last step, ``EveryN`` every ``period``-th, ``All`` and ``Sum`` every step.
+    """The steps (one replica's micro-batches, in call order) whose outputs ``mode`` reads: the one
+    home of this rule. ``Final`` the last, ``EveryN`` every ``period``-th, else every step.
     """
     if mode == OutputMode.Final:
         return [steps - 1]
@@ -132,11 +126,7 @@ def returned_steps(mode: OutputMode, period: int, steps: int) -> List[int]:
 
 
 def kept_rows(mode: OutputMode, period: int, batching: Batching) -> Optional[FrozenSet[int]]:
-    """The rows (micro-batches, combined-batch order) whose outputs ``mode`` returns.
-
-    ``None`` means every row (``All``, ``Sum``); the executor copies outputs to
-    the host only for these rows.
-    """
+    """The rows (combined-batch order) whose outputs ``mode`` returns; ``None``: every row."""
     if mode not in (OutputMode.Final, OutputMode.EveryN):
         return None
     R = batching.replicas
@@ -146,16 +136,12 @@ def kept_rows(mode: OutputMode, period: int, batching: Batching) -> Optional[Fro
 
 def gather(per_microbatch: List[list], mode: OutputMode, period: int,
            batching: Batching) -> list:
-    """Combine per-micro-batch flat outputs into the flat outputs of the call.
+    """Combine per-micro-batch flat outputs (combined-batch order) into the call's flat outputs.
 
-    ``per_microbatch[k]`` holds the outputs of micro-batch ``k`` (combined-batch
-    order). Shapes follow PopTorch: ``All`` concatenates every micro-batch on
-    dimension 0 (scalars are stacked), ``Final`` keeps the last step,
-    ``EveryN`` every ``period``-th step, ``Sum`` adds all steps; replicas are
-    concatenated. PopTorch's rule: an output is batched only when the call returns more
-    than one of it (``All``: DI × GA × R, ``EveryN``: DI × GA × R / N, ``Final`` and
-    ``Sum``: R); when it returns one, it keeps the micro-batch shape, so a 0-d input or
-    loss gives a 0-d output.
+    As PopTorch: ``All`` concatenates every micro-batch on dimension 0 (scalars stacked),
+    ``Final`` keeps the last step, ``EveryN`` every ``period``-th, ``Sum`` adds them; replicas
+    are concatenated. An output is batched only when the call returns more than one of it, so
+    a 0-d loss stays 0-d under ``Final`` with one replica.
     """
     R = batching.replicas
     steps = batching.steps

@@ -108,10 +108,8 @@ def active_recorder() -> Optional[BlockRecorder]:
 
 
 def note_recompute() -> None:
-    """While tracing: the stage being recorded recomputes its forward in its backward.
-
-    A traced stage is one graph, so the recomputation a module asks for (see
-    :func:`ipukit.recomputation_checkpoint`) applies to the whole stage holding it.
+    """While tracing: the stage being recorded recomputes its forward in its backward (a traced
+    stage is one graph, so a module's recomputation applies to its whole stage).
     """
     recorder = _recorder.get()
     if recorder is not None and recorder.segments:
@@ -191,11 +189,8 @@ class _BlockHook:
 
 
 class _BeginBlockFunction(torch.nn.Module):
-    """``BeginBlock`` applied to a plain callable: a module that starts the block, then calls it.
-
-    A module, as PopTorch's was, so that assigning it to a model's attribute makes it a
-    sub-module; it holds no parameters. Like any module it can be pickled (when the
-    callable can) and deep-copied, and the copy keeps the block.
+    """``BeginBlock`` applied to a plain callable: a parameter-free module that starts the block,
+    then calls it (it pickles and deep-copies with the block).
     """
 
     def __init__(self, fn: Callable, user_id, ipu_id) -> None:
@@ -253,10 +248,8 @@ def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None):
 
 
 def begin_blocks(module: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optional[str], Optional[int]]]:
-    """ipukit: every ``BeginBlock`` annotation in ``module``, as (sub-module, user_id, ipu_id).
-
-    A block's ``user_id`` is ``None`` until the module first runs inside a
-    recording (PopTorch numbers unnamed blocks in the order they start).
+    """ipukit: every ``BeginBlock`` annotation in ``module``, as (sub-module, user_id, ipu_id);
+    ``user_id`` is None until the module first runs inside a recording.
     """
     return [(m, h.user_id, h.ipu_id) for m in module.modules()
             for h in m._forward_pre_hooks.values() if isinstance(h, _BlockHook)]

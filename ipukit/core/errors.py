@@ -78,14 +78,11 @@ class LoaderLengthError(Error, TypeError):
 
 
 class StallError(Error):
-    """A call that made no progress for ``Options.stallTimeout`` seconds.
+    """A call that made no progress for ``Options.stallTimeout`` seconds; it was stopped and undone.
 
-    No action completed anywhere (on any virtual IPU, replica or process) for
-    that long; the call was stopped and undone (weights, buffers and optimiser
-    state as before it). The message names, per virtual IPU or process, the
-    last action completed and what it waits for, with the schedule around that
-    point. ``stuck`` lists the workers still inside a user's operation (which
-    cannot be stopped from outside; see the message).
+    The message names, per virtual IPU or process, the last action completed and what it waits
+    for, with the schedule around that point; ``stuck`` lists the workers still inside a user's
+    operation (which cannot be stopped from outside).
     """
 
     def __init__(self, message: str, stuck=()) -> None:

@@ -63,12 +63,8 @@ def isRunningOnIpu() -> bool:
 
 
 class running_on_ipu:
-    """Context manager that makes :func:`isRunningOnIpu` return True.
-
-    ``training`` says whether the step being traced or run belongs to a training
-    model (``None``: not said, keep what an enclosing context said). The
-    inference-only operations (:func:`for_loop`, :func:`cond`) refuse a training
-    step, as PopTorch did.
+    """Context manager that makes :func:`isRunningOnIpu` return True; ``training`` says whether
+    the step belongs to a training model (``None``: keep the enclosing context's).
     """
 
     def __init__(self, training: Optional[bool] = None) -> None:
@@ -85,11 +81,8 @@ class running_on_ipu:
 
 
 def _in_training_step() -> bool:
-    """Whether the model step running now is a training one.
-
-    Told by the trace (``running_on_ipu(training=...)``); otherwise an eager
-    step inside an ipukit call that records gradients is a training step (the
-    runtime runs inference without gradients).
+    """Whether the model step running now is a training one: told by the trace, else an eager step
+    that records gradients inside an ipukit call.
     """
     training = getattr(_running, "training", None)
     if training is not None:
@@ -218,11 +211,8 @@ def set_overlap_for_output(output_tensors, mode: OverlapMode):
 def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
     """Runs ``body`` ``count`` times, each iteration's outputs the next one's inputs.
 
-    PopTorch compiled the loop once and ran it on the IPU; here it is a Python
-    loop (unrolled when a stage is traced). ``body`` takes as many tensors as
-    it returns. Inputs are passed by value, as in PopTorch. As in PopTorch, a
-    training model refuses it ("poptorch.for_loop() is only supported in
-    inference").
+    A Python loop here (unrolled when a stage is traced); ``body`` takes as many tensors as it
+    returns, by value. As in PopTorch, a training model refuses it.
     """
     if not isinstance(inputs, list):
         raise OperationError(
@@ -255,12 +245,9 @@ def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Ten
          else_body: Callable, else_inps: List[torch.Tensor]) -> List[torch.Tensor]:
     """``then_body(*then_inps)`` if ``condition`` else ``else_body(*else_inps)``, as a list.
 
-    Run eagerly, only the chosen branch runs. While a model is traced to be
-    split into stages, the condition is data, not a Python bool: both
-    branches run and ``torch.where`` picks each output, which gives the same
-    values (and gradients only through the chosen branch). The branches must
-    return the same number of tensors, of matching shapes. As in PopTorch, a
-    training model refuses it ("poptorch.cond() is only supported in inference").
+    Eagerly only the chosen branch runs; traced, both run and ``torch.where`` picks each output
+    (same values, gradients only through the chosen branch). The branches return the same number
+    of tensors of matching shapes. As in PopTorch, a training model refuses it.
     """
     for name, value in (("then_inps", then_inps), ("else_inps", else_inps)):
         if not isinstance(value, list):
@@ -342,11 +329,8 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
 
 
 class CPU:
-    """Runs ``layer_to_call`` on the host in the middle of a model.
-
-    PopTorch used it to call host code from an IPU graph; ipukit's virtual
-    IPUs run on the host already, so the layer is simply called. As in
-    PopTorch, a module's parameters are frozen (host ops are not trained).
+    """Runs ``layer_to_call`` on the host in the middle of a model: ipukit's virtual IPUs run on
+    the host already, so the layer is simply called (its parameters frozen, as in PopTorch).
     """
 
     def __init__(self, layer_to_call: Callable, ID: str):

@@ -35,17 +35,9 @@ def _split(kwargs: Dict[str, Any]):
 class VariableAttributes:
     """Which of an optimiser's attributes are variable and which constant (PopTorch's class).
 
-    Every PopTorch optimiser has one as ``optimizer.variable_attrs``: the
-    arguments given to the constructor start variable, the others constant;
-    ``markAsConstant`` / ``markAsVariable`` change that for the attributes the
-    optimiser has (its ``defaults`` and ``loss_scaling``). PopTorch compiled
-    constants into the program; ipukit compiles no optimiser, so in ipukit every
-    attribute can change between calls (``setOptimizer``) and the marks are kept
-    for code that reads them.
-
-    >>> opt = ipukit.optim.SGD(params, lr=0.01)
-    >>> opt.variable_attrs.isConstant("momentum")
-    True
+    The constructor's arguments start variable, the others constant; ``markAsConstant`` /
+    ``markAsVariable`` change that. ipukit compiles no optimiser, so every attribute can change
+    between calls (``setOptimizer``); the marks are kept for code that reads them.
     """
 
     def __init__(self, variable_attributes: List[str], allowed_attributes: List[str]) -> None:
@@ -98,17 +90,11 @@ _LOSS_SCALING = "lossScaling_FLOAT"
 class Optimizer:
     """PopTorch's base class of its optimisers (``poptorch.optim.Optimizer``).
 
-    Mixed in before a ``torch.optim`` optimiser: ``class Mine(ipukit.optim.Optimizer,
-    torch.optim.SGD)``. ``state_dict()`` adds to torch's entries ``"ipu_state"``
-    (each state tensor, named ``<PopART prefix>___<parameter>``, e.g.
-    ``Accl1___fc.weight``) and ``"ipu_param"`` (each hyperparameter per
-    parameter, e.g. ``learningRate___specific___fc.weight``, and
-    ``lossScaling_FLOAT``); both are ``None`` until the optimiser has state or
-    knows its parameters' names (:meth:`bind_parameter_names`). ``load_state_dict``
-    accepts only such a dictionary, as PopTorch did: it loads torch's entries,
-    then the ``"ipu_state"`` and ``"ipu_param"`` values over them (so an edited
-    value takes effect). Parameters are named by their position in the
-    optimiser until their names are known.
+    Mixed in before a ``torch.optim`` optimiser (``class Mine(ipukit.optim.Optimizer,
+    torch.optim.SGD)``). ``state_dict()`` adds ``"ipu_state"`` (state tensors under PopART's
+    names, e.g. ``Accl1___fc.weight``) and ``"ipu_param"`` (hyperparameters per parameter),
+    None until known; ``load_state_dict`` accepts only such a dictionary and applies those
+    values over torch's entries.
     """
 
     _ipu_state_prefixes: Dict[str, str] = _ADAM_STATE

@@ -108,12 +108,8 @@ _HOW = ("Write one setter call per line without the 'options.' prefix, e.g. "
 
 def apply_lines(options, lines: Sequence[str], source: str,
                 objects: Optional[Dict[str, Callable]] = None) -> None:
-    """Apply setter calls, one per line, to ``options``.
-
-    Every line is parsed before any is applied (as PopTorch compiled the whole
-    file first), so a syntax error changes nothing. ``objects`` adds option
-    classes a line may build to :data:`OBJECTS` (``Options`` passes
-    ``TensorLocationSettings``).
+    """Apply setter calls, one per line, to ``options``; every line is parsed before any is applied,
+    so an error changes nothing. ``objects`` adds option classes a line may build.
     """
     known = dict(OBJECTS, **(objects or {}))
     filename = os.path.basename(source)
