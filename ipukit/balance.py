@@ -28,11 +28,8 @@ from .timeline.events import Timeline
 
 
 def best_split(costs: Sequence[float], num_ipus: int) -> List[int]:
-    """The IPU of each block: a contiguous split into ``num_ipus`` stages, slowest stage minimal.
-
-    Exact dynamic programme over prefixes (O(B² × K)); every IPU gets at least
-    one block. Among optimal splits, the one whose earlier stages are as
-    large as allowed is returned (deterministic).
+    """The IPU of each block: a contiguous split into ``num_ipus`` stages, slowest stage minimal
+    (an exact dynamic programme; among optimal splits the earlier stages are as large as allowed).
     """
     costs = [float(c) for c in costs]
     B, K = len(costs), int(num_ipus)
@@ -153,11 +150,9 @@ def _repeat(value, times: int):
 
 def _timed_calls(model: torch.nn.Module, batch: Tuple, options, probe=None,
                  between: Iterable[Callable[[], object]] = ()):
-    """Time calls of a throw-away training model of ``model`` (left as it was).
-
-    After a compiling call, one timed call; then ``probe(compiled)``, when given; then each
-    of ``between`` (or of ``between(timelines so far)``, which may stop early) runs and is
-    followed by another timed call. Returns (timelines, blocks per stage, probe's result).
+    """Time calls of a throw-away training model of ``model``: one compiling call, one timed call,
+    ``probe(compiled)``, then each of ``between`` followed by a timed call. Returns (timelines,
+    blocks per stage, probe's result).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
@@ -180,10 +175,9 @@ def _timed_calls(model: torch.nn.Module, batch: Tuple, options, probe=None,
 
 def measure_blocks(model: torch.nn.Module, sample_inputs, block_order: Sequence[str],
                    repeats: int = 5) -> Tuple[List[float], List[float], Timeline]:
-    """Forward and backward seconds of each block (the median of ``repeats`` passes of one
-    micro-batch = ``sample_inputs``), with every block on its own IPU in ShardedExecution
-    (stages one at a time, so blocks do not compete for cores), and the call's timeline.
-    The user's model is left unchanged.
+    """Forward and backward seconds of each block (median of ``repeats`` passes of one micro-batch),
+    every block its own IPU under ShardedExecution, and the call's timeline; the model is left
+    unchanged.
     """
     fwd, bwd, _, _, timelines = _measure(model, sample_inputs, block_order, repeats, False)
     return fwd, bwd, timelines[0]
@@ -193,12 +187,8 @@ def measure_split_blocks(model: torch.nn.Module, sample_inputs, block_order: Seq
                          repeats: int = 5, between: Iterable[Callable[[], object]] = ()):
     """:func:`measure_blocks`, plus each block's split backward halves timed alone.
 
-    Returns ``(forward, backward, input_grad, weight_grad, timelines)``: per block, median
-    seconds of its forward and full backward, and of ``I`` (the input's gradient) and ``W``
-    (the weight gradients, plus the accumulation the full backward does), each timed on the
-    compiled stage with :mod:`ipukit.runtime.split_backward`; ``input_grad`` and
-    ``weight_grad`` are None when the stages cannot be driven directly. ``between``: see
-    :func:`_timed_calls`; the costs are the median over every call's passes.
+    Returns ``(forward, backward, input_grad, weight_grad, timelines)``, per block median
+    seconds (``input_grad``/``weight_grad`` None when the stages cannot be driven directly).
     """
     return _measure(model, sample_inputs, block_order, repeats, True, between)
 

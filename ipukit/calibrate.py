@@ -116,12 +116,9 @@ def _fresh_optimizer(params, optimizer):
 def step_cost(model: torch.nn.Module, optimizer=None, repeats: int = 5,
               between: Optional[Callable[[], object]] = None,
               direct: bool = False) -> float:
-    """Median seconds of one optimiser step of ``model``'s weights, on copies.
-
-    ``optimizer``: the training's optimiser (its type and settings, on fresh state) or None
-    for SGD. The step is the runtime's (``runtime.update.step``), or with ``direct`` a plain
-    ``optimizer.step()``. ``between()``, when given, runs before each of the ``repeats``
-    timed steps (after a first step that creates the state).
+    """Median seconds of one optimiser step of ``model``'s weights, on copies: the runtime's step
+    (or ``direct``: a plain ``optimizer.step()``) with ``optimizer``'s type and settings (default
+    SGD); ``between()`` runs before each timed step.
     """
     params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()
               if p.requires_grad]
@@ -194,13 +191,10 @@ def calibrate(model: torch.nn.Module, sample_inputs, block_order: Optional[Seque
               optimizer=None, budget: float = 2.0) -> CostTable:
     """Measure ``model``'s cost table on this machine (see the module docstring).
 
-    ``sample_inputs`` is one micro-batch: a tensor, or a tuple of the model's arguments
-    (labels included: the model returns its loss from its last block). The model is left
-    as it was. ``optimizer``: the training's optimiser, whose step is timed on copies of the
-    weights (default: SGD). ``budget``: seconds the guards may spend repeating the blocks'
-    run until two runs agree. A second call with the same model structure, blocks, batch and
-    optimiser type returns the cached table; a table marked uncertain is not written to
-    ``cache_dir``.
+    ``sample_inputs`` is one micro-batch (labels included); the model is left as it was.
+    ``optimizer``: the training's optimiser, its step timed on copies (default SGD). ``budget``:
+    seconds the guards may spend repeating the blocks' run. Tables are cached; one marked
+    uncertain is not written to ``cache_dir``.
     """
     if isinstance(model, PoplarExecutor):
         model = model.model

@@ -438,10 +438,8 @@ _END = object()
 
 
 class _Prefetch:
-    """Iterates ``iterator`` while a daemon thread loads up to ``depth`` items ahead.
-
-    ``close()`` stops the thread and waits for it, so a new pass never shares torch's
-    iterator with the loading thread of a pass that was left early.
+    """Iterates ``iterator`` while a daemon thread loads up to ``depth`` items ahead; ``close()``
+    stops and joins the thread.
     """
 
     def __init__(self, iterator: Iterator[Any], depth: int) -> None:

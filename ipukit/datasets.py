@@ -50,10 +50,8 @@ def mnist(train: bool = True, root: Optional[str] = None, download: bool = True)
 
 def mnist_tensors(train: bool = True, root: Optional[str] = None, limit: Optional[int] = None,
                   download: bool = True) -> torch.utils.data.TensorDataset:
-    """MNIST as one normalised tensor dataset: the same samples as :func:`mnist`, loaded once.
-
-    Much faster to iterate than per-sample PIL transforms; ``limit`` keeps the
-    first ``limit`` samples (for quick runs).
+    """MNIST as one normalised tensor dataset, loaded once (the samples of :func:`mnist`, faster
+    to iterate); ``limit`` keeps the first ``limit`` samples.
     """
     ds = mnist(train=train, root=root, download=download)
     images = ds.data if limit is None else ds.data[:limit]

@@ -507,11 +507,8 @@ class PoplarExecutor:
             distributed.synchronize_weights(self)
 
     def copyWeightsToDevice(self) -> None:
-        """Copy the host module's parameters and buffers to the compiled model.
-
-        They are shared with the host module, so in-place writes need no copy; a parameter
-        or buffer replaced by another tensor since compiling has its values copied into the
-        compiled one, which takes its place in the module again.
+        """Copy the host module's parameters and buffers to the compiled model: they are shared, so
+        in-place writes need no copy; one replaced by another tensor has its values copied back.
         """
         self._watch.copy_to_device(self._compiled(), None)
 
@@ -539,10 +536,8 @@ class PoplarExecutor:
         self._optimizer = optimizer
 
     def destroy(self) -> None:
-        """Forget the compiled model and unwrap the module (it can be wrapped again).
-
-        Calling the wrapper again recompiles it with the same weights and optimiser, unless
-        another training wrapper of the module was made meanwhile.
+        """Forget the compiled model and unwrap the module; calling the wrapper again recompiles it with
+        the same weights and optimiser, unless another training wrapper of the module exists.
         """
         self._destroyed = True
         self._program = None
@@ -812,11 +807,9 @@ def _custom_tensors_with_keys(obj) -> tuple:
 
 
 def registerCustomArgParser(arg_data_type: type, arg_parser: Optional[ICustomArgParser]) -> None:
-    """Arguments of type ``arg_data_type`` are flattened into their tensors with
-    ``arg_parser`` and rebuilt for ``forward``; ``arg_parser=None`` removes the parser.
-
-    Raises ``OptionsError`` (registering nothing) for a non-class, a built-in or tensor type,
-    or a parser that is not an :class:`ICustomArgParser`.
+    """Arguments of type ``arg_data_type`` are flattened into their tensors with ``arg_parser`` and
+    rebuilt for ``forward``; ``arg_parser=None`` removes the parser. Raises ``OptionsError``
+    (registering nothing) for a type or parser it cannot use.
     """
     if not isinstance(arg_data_type, type):
         raise OptionsError(

@@ -170,11 +170,8 @@ class Plan:
         return opts
 
     def apply(self, model: Optional[torch.nn.Module] = None):
-        """The plan's :meth:`options`; with ``model``, its recomputing stages are marked too.
-
-        Each module gets a forward pre-hook that, while ipukit traces, marks the plan's
-        recomputing stages; ``model._ipukit_plan_hooks`` holds the handles. Raises
-        ``OptionsError`` when the plan recomputes and ``model`` is None.
+        """The plan's :meth:`options`; with ``model``, its recomputing stages are marked too (forward
+        pre-hooks, in ``model._ipukit_plan_hooks``). A plan that recomputes needs ``model``.
         """
         if self.recompute and model is None:
             raise OptionsError(

@@ -75,10 +75,8 @@ class TrainingModelWithLoss(nn.Module):
 
 
 def strategy(split: Optional[Sequence[int]] = None, sharded: bool = False):
-    """A strategy placing blocks B1–B4 on IPUs ``split`` (default: one IPU each).
-
-    ``split=(0, 0, 1, 1)`` puts B1, B2 on IPU 0 and B3, B4 on IPU 1. IPU ids
-    must not decrease along the model.
+    """A strategy placing blocks B1–B4 on IPUs ``split`` (default one IPU each; ``(0, 0, 1, 1)``:
+    B1, B2 on IPU 0 and B3, B4 on IPU 1).
     """
     split = tuple(range(len(BLOCKS))) if split is None else tuple(split)
     return explorer_model().strategy(split, sharded=sharded)

@@ -214,10 +214,8 @@ def _loss_value(losses: torch.Tensor, args: argparse.Namespace) -> float:
 
 def train(model: ipukit.PoplarExecutor, loader: ipukit.DataLoader,
           args: argparse.Namespace, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """The training loop: one model call per batch, loss and accuracy on the bar.
-
-    With ``--lr-schedule onecycle`` the learning rate changes after every call and the
-    model is given the optimiser again (``setOptimizer``, as PopTorch required).
+    """The training loop: one model call per batch (with ``--lr-schedule onecycle`` the learning
+    rate changes after every call and the model is given the optimiser again).
     """
     scheduler = None
     if args.lr_schedule == "onecycle" and optimizer is not None:

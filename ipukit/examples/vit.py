@@ -99,10 +99,8 @@ class ViT(nn.Module):
 
     # -- placement on virtual IPUs, optimum-graphcore's pattern -----------------
     def parallelize(self, ipu_config: Optional[IPUConfig] = None) -> "ViT":
-        """Place the model on IPUs by ``ipu_config`` (in its current train/eval mode).
-
-        Embeddings on IPU 0, encoder layer ``i`` on ``get_layer_ipu(...)[i]``, the
-        final norm and the classifier on the last IPU. Returns the model.
+        """Place the model on IPUs by ``ipu_config`` (in its train/eval mode): embeddings on IPU 0,
+        encoder layer ``i`` on ``get_layer_ipu(...)[i]``, the head on the last IPU. Returns the model.
         """
         if ipu_config is not None:
             if not isinstance(ipu_config, IPUConfig):

@@ -183,10 +183,8 @@ class IPUConfig:
 
     @classmethod
     def from_dict(cls, config_dict: Dict[str, Any], **kwargs: Any):
-        """Build from a dict (an ``ipu_config.json``'s contents); ``kwargs`` override attributes.
-
-        With ``return_unused_kwargs=True`` returns ``(config, unused)`` and unknown
-        override keys are returned instead of raising.
+        """Build from a dict (an ``ipu_config.json``'s contents); ``kwargs`` override attributes
+        (``return_unused_kwargs=True``: returns ``(config, unused)``).
         """
         return_unused = kwargs.pop("return_unused_kwargs", False)
         if not isinstance(config_dict, dict):

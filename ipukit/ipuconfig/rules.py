@@ -159,10 +159,9 @@ def mode_name(attr: str, mode: str) -> str:
 
 
 def read_legacy(args: Dict[str, Any], kwargs: Dict[str, Any], notes: List[str]) -> None:
-    """Older Hub files: drop metadata and deprecated keys; a factor of 0 means unset.
-
-    Edits the constructor's ``args``/``kwargs`` in place, noting each change in ``notes``
-    (the warnings' ``stacklevel`` counts on being called from ``IPUConfig.__init__``).
+    """Older Hub files: drop metadata and deprecated keys (a factor of 0 means unset), editing the
+    constructor's ``args``/``kwargs`` in place and noting each change in ``notes`` (the warnings'
+    ``stacklevel`` assumes ``IPUConfig.__init__`` calls it).
     """
     for key in METADATA_KEYS:
         if key in kwargs:

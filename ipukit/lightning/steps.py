@@ -48,10 +48,8 @@ _log_lock = threading.RLock()
 
 
 class _StepModule(torch.nn.Module):
-    """The module ipukit wraps: its forward is one of the LightningModule's ``*_step`` methods.
-
-    The step's other arguments (``batch_idx``, ``dataloader_idx``) are attributes, so only the
-    batch is an input (a traced step sees their values of its first call).
+    """The module ipukit wraps: its forward is one of the LightningModule's ``*_step`` methods
+    (``batch_idx``, ``dataloader_idx`` are attributes, so only the batch is an input).
     """
 
     def __init__(self, module: "pl.LightningModule", step: str) -> None:

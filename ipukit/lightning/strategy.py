@@ -285,11 +285,9 @@ class IPUStrategy(ParallelStrategy):
 
     @property
     def poptorch_models(self) -> Dict[RunningStage, Any]:
-        """The ipukit model (``PoplarExecutor``) of each ``RunningStage`` of the current run.
-
-        Built at setup, as lightning-graphcore; the keys also answer to ``"train"``,
-        ``"validate"``, ``"test"``, ``"predict"``. Models compile at their first batch; extra
-        dataloaders' models are not listed.
+        """The ipukit model (``PoplarExecutor``) of each ``RunningStage`` of the current run, built at
+        setup as in lightning-graphcore (keys also ``"train"``, ``"validate"``, ``"test"``,
+        ``"predict"``).
         """
         return self._steps.poptorch_models
 
@@ -425,11 +423,8 @@ def _stages_of(trainer: "pl.Trainer") -> List[RunningStage]:
 
 
 def _choose_ipu_strategy() -> None:
-    """``Trainer(accelerator="ipu")`` without ``strategy=`` gets :class:`IPUStrategy`.
-
-    Lightning 2.x has no public hook for it, so the connector's choice is wrapped for the IPU
-    accelerator (told by its class marker); a reload wraps Lightning's own method again
-    (``_ipukit_original``), never the wrapper.
+    """``Trainer(accelerator="ipu")`` without ``strategy=`` gets :class:`IPUStrategy`: Lightning has
+    no public hook for it, so the connector's choice is wrapped (once, across reloads).
     """
     from pytorch_lightning.trainer.connectors import accelerator_connector as connector
 
