@@ -1,8 +1,6 @@
-"""Every private torch name ipukit uses, in one place (floor 0: imports torch only).
-
-torch.distributed.pipelining has no public API yet for these; each is wrapped here under a
-public name, so that a torch release that moves one breaks this module alone.
-``tests/test_torch_adapter.py`` checks each against the installed torch.
+"""Every private torch name ipukit uses, in one place (floor 0: imports torch only), under a
+public name, so a torch release that moves one breaks this module alone
+(``tests/test_torch_adapter.py`` checks each against the installed torch).
 """
 from __future__ import annotations
 

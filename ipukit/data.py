@@ -1,14 +1,10 @@
 """PopTorch's DataLoader: batches of ``combinedBatchSize`` samples per model call.
 
-A model call consumes ``batch_size × deviceIterations × replicationFactor ×
-gradientAccumulation`` samples and each batch is one call. PopTorch's rules for its other
-ways to batch are kept:
-
-- ``batch_sampler=``: each batch concatenates ``deviceIterations × replicationFactor ×
-  gradientAccumulation`` consecutive batches of the sampler (``batch_size`` stays 1).
-- ``DataLoaderMode.AsyncRebatched`` (and ``Async`` with ``drop_last=False``): workers load
-  batches of ``rebatched_worker_size`` samples, cut into combined batches as one stream.
-- ``batch_size=None``: each item of the dataset is one whole batch (needs ``drop_last=False``).
+A call consumes ``batch_size × deviceIterations × replicationFactor × gradientAccumulation``
+samples, one batch. PopTorch's other ways to batch are kept: ``batch_sampler=`` (each batch
+concatenates that many of the sampler's batches), ``DataLoaderMode.AsyncRebatched`` (and
+``Async`` with ``drop_last=False``: workers load ``rebatched_worker_size`` samples, cut into
+combined batches as one stream), and ``batch_size=None`` (each item is one whole batch).
 """
 from __future__ import annotations
 

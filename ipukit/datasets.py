@@ -1,10 +1,6 @@
-"""MNIST from a configurable data root, without surprise downloads.
-
-The root is, in order: the ``root`` argument, the ``IPUKIT_DATA`` environment
-variable, then ``~/.torch/datasets`` (the tutorial's folder). torchvision finds
-``<root>/MNIST/raw/`` and loads it offline; when the files are missing it
-downloads them (needs internet). If neither works, :class:`~ipukit.core.errors.DataError`
-says where it looked and how to fix it.
+"""MNIST from a configurable data root, without surprise downloads: the ``root`` argument,
+``IPUKIT_DATA``, then ``~/.torch/datasets``; torchvision reads ``<root>/MNIST/raw/`` offline
+and downloads only when the files are missing. Otherwise a ``DataError`` says where it looked.
 """
 from __future__ import annotations
 

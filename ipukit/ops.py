@@ -1,9 +1,5 @@
-"""PopTorch's ``poptorch.ops``: the operations used inside a model, and the block annotations.
-
-As in PopTorch, the module holds the in-model operations (:mod:`ipukit.core.ops`) and
-``Block``, ``BeginBlock``, ``BlockFunction`` and ``removeBlocks``
-(:mod:`ipukit.core.blocks`). PopTorch's ``fps`` and ``nearest`` (point-cloud ops) have no
-ipukit equivalent.
+"""PopTorch's ``poptorch.ops``: the in-model operations and the block annotations (PopTorch's
+point-cloud ``fps`` and ``nearest`` have no ipukit equivalent).
 """
 from .core.blocks import BeginBlock, Block, BlockFunction, removeBlocks
 from .core.ops import (CPU, MultiConv, NameScope, cond, ctc_beam_search_decoder, custom_op,

@@ -1,11 +1,7 @@
 """PopTorch's ``poptorch.options``: ``Options``, its option groups and the execution strategies.
 
-``Options``, ``TensorLocationSettings`` and ``ConfigFileError`` come from
-:mod:`ipukit.core.options`, the strategies and ``Stage``/``Phase`` from
-:mod:`ipukit.core.strategies`. PopTorch's option-group classes (``_TrainingOptions``,
-``_TensorLocationOptions``, ``_PrecisionOptions``, ``_JitOptions``, ``_DistributedOptions``)
-are the types of an ``Options``' groups (``Options().Training`` ...); they are looked up on
-first use, for type annotations written against PopTorch.
+PopTorch's option-group classes (``_TrainingOptions``, ``_TensorLocationOptions``, ...) are
+the types of an ``Options``' groups, looked up on first use for type annotations.
 """
 from .core.errors import ConfigFileError
 from .core.options import Options, TensorLocationSettings

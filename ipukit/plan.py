@@ -1,12 +1,10 @@
 """Plan a pipelined training run: ``ipukit.plan(model, sample_inputs, ipus=..., ...)``.
 
-The planner searches splits × schedules × micro-batch size (with the gradient accumulation
-that keeps the global batch) × recomputation, models each candidate's call with calibrated
-costs (:func:`ipukit.calibrate`) and its memory per IPU (:mod:`ipukit.viz.memory`), and
-returns the fastest :class:`Plan` that fits the budget, with the ranked alternatives and
-why each other candidate was rejected. Everything it reports is modeled: block costs are
-interpolated linearly between the two calibrated micro-batch sizes (proportional from one
-table), activation bytes scale with the micro-batch size.
+The planner searches splits × schedules × micro-batch sizes × recomputation, models each
+candidate's time from calibrated costs and its memory per IPU, and returns the fastest
+:class:`Plan` that fits the budget, with the alternatives and why the others were rejected.
+Everything it reports is modeled (block costs interpolated between the two calibrated
+micro-batch sizes, activation bytes scaled with the micro-batch size).
 """
 from __future__ import annotations
 

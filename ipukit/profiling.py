@@ -1,8 +1,5 @@
-"""PopTorch's ``poptorch.profiling``: trace channels for the user's own code.
-
-PopTorch's :class:`Channel` wrote tracepoints to ``libpvti`` when it was loaded; there is none
-off the IPU, so a channel does nothing and programs that use one run as they are. ipukit's
-record of a call is the model's timeline (``model.getTimeline()``).
+"""PopTorch's ``poptorch.profiling``: trace channels for the user's own code. There is no
+``libpvti`` off the IPU, so a channel records nothing; a call's record is its timeline.
 """
 from __future__ import annotations
 

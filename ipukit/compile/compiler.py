@@ -1,10 +1,6 @@
-"""Compiling a model: trace it on one micro-batch, cut it into stages, build a :class:`Program`.
-
-PopTorch compiled a model for the IPU on its first call; ipukit "compiles" by
-tracing the model on one micro-batch (:mod:`ipukit.partition`), checking the
-batching options against the number of stages, choosing each virtual IPU's
-torch device and building the call's schedule (:mod:`ipukit.schedules`). The
-result is one frozen :class:`~ipukit.program.Program`.
+"""Compiling a model: trace it on one micro-batch, cut it into stages, build a :class:`Program`
+(check the batching against the stages, choose each virtual IPU's device, build the
+schedule). PopTorch compiled for the IPU on the first call; so does ipukit.
 """
 from __future__ import annotations
 

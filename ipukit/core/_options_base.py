@@ -1,8 +1,5 @@
-"""The machinery every option group shares: freezing, ignored setters, typo hints.
-
-Kept apart from :mod:`ipukit.options` so that the groups and the setter mixins of
-:class:`~ipukit.Options` (its setters) can build on it without
-importing ``Options`` itself.
+"""The machinery every option group shares (freezing, ignored setters, typo hints), apart from
+``Options`` so that its groups can build on it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Splitting a host call's combined batch into micro-batches, and back.
 
 A call's input holds ``deviceIterations × gradientAccumulation × replicationFactor``
-micro-batches along dimension 0, in that nesting order: iteration-major, then
-accumulation step, then replica. :func:`split` cuts it; :func:`gather` builds
-the outputs a call returns according to the output mode (PopTorch's shapes).
+micro-batches along dimension 0, iteration-major, then accumulation step, then replica.
+:func:`split` cuts it; :func:`gather` builds the outputs the output mode returns.
 """
 from __future__ import annotations
 

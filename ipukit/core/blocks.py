@@ -1,11 +1,8 @@
 """Block annotations: PopTorch's ``Block``, ``BeginBlock``, ``BlockFunction``.
 
-Outside an ipukit model the annotations do nothing, so an annotated model
-still runs as plain PyTorch. While ipukit traces a model, a :class:`BlockRecorder`
-is active: every block entered is mapped to a (stage id, IPU) by the execution
-strategy, and each time execution moves to another IPU a
-``torch.distributed.pipelining.pipe_split()`` marker is inserted into the
-trace — that is where :mod:`ipukit.partition` cuts the model into stages.
+Outside an ipukit model they do nothing. While ipukit traces a model a :class:`BlockRecorder`
+maps every block entered to a (stage id, IPU) and inserts a ``pipe_split()`` marker
+wherever execution moves to another IPU: where the partition cuts the model.
 """
 from __future__ import annotations
 

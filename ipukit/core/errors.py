@@ -1,11 +1,8 @@
-"""The ipukit error family.
+"""The ipukit error family: every error a user can provoke is an :class:`Error`.
 
-Every error a user can provoke is an :class:`Error`, so ``except ipukit.Error``
-catches them all.  Subclasses also derive from the built-in exception PopTorch
-raised in the same situation (``AttributeError`` for frozen or unknown options,
-``ValueError`` for bad values), so code written against PopTorch keeps working.
-
-Messages follow PopTorch's model: name the option, the value, and the fix.
+Subclasses also derive from the built-in exception PopTorch raised in the same situation
+(``AttributeError``, ``ValueError``), so code written against PopTorch keeps working;
+messages name the option, the value and the fix.
 """
 import contextlib
 

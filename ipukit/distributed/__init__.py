@@ -1,10 +1,8 @@
 """Scale out: the same annotated model and Options as processes, under torchrun.
 
-In ipukit a process is one virtual IPU of one replica: ``replicationFactor(R)`` × the model's
-virtual IPUs processes, launched with ``ipukit-run --nproc N script.py``. Options built under
-the launcher read torchrun's ``RANK``/``WORLD_SIZE``, and a model built with them runs its
-stages on ``torch.distributed.pipelining``. The popdist-style helpers answer in PopTorch's
-terms: an *instance* is a data-parallel replica (the processes of one pipeline).
+A process is one virtual IPU of one replica, launched with ``ipukit-run --nproc N script.py``;
+Options built under the launcher read torchrun's ``RANK``/``WORLD_SIZE``, and the model runs
+its stages on ``torch.distributed.pipelining``. An *instance* is a data-parallel replica.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The pipelining tutorial's MNIST network: four blocks, the loss in the last.
-
-Used by the script, the notebooks, the benchmarks and the tests, so they all
-train the same model. ``Network(split=...)`` places the blocks on virtual IPUs
-for the explorer; the default names the blocks B1–B4 as the tutorial does.
-:func:`explorer_model` is the spec the notebook dashboard is given.
+"""The pipelining tutorial's MNIST network: four blocks B1–B4, the loss in the last (the
+script, notebooks, benchmarks and tests all train it). ``Network(split=...)`` places the
+blocks; :func:`explorer_model` is the dashboard's spec.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """A model where pipelining can beat the plain loop on a small CPU: an LSTM text classifier.
 
-On a CPU ``nn.LSTM`` runs a layer over the whole sequence as one oneDNN call: each time
-step a matrix product too small to share between intra-op threads, each waiting for the
-step before, and the call releases Python's GIL. So a second intra-op thread buys the
-plain micro-batched loop little, while two pipeline stages, a core each, really compute
-at once. :func:`recurrent_net` builds the classifier in stages (one ``Block`` and virtual
-IPU each) and :func:`sequences` random data for it. Notebooks 01 and 03 use them (notebook
-03 times one optimiser step five ways side by side with ``measure`` in notebooks/lessons.py).
+On a CPU ``nn.LSTM`` runs each time step as a matrix product too small to share between
+intra-op threads (and releases the GIL), so a second thread buys the plain loop little while
+two pipeline stages, a core each, compute at once. :func:`recurrent_net` builds the
+classifier in stages, :func:`sequences` random data for it (notebooks 01 and 03).
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """optimum-graphcore's ``IPUConfig`` (``ipu_config.json``), turned into ipukit :class:`~ipukit.Options`.
 
-Hugging Face's optimum-graphcore configured every Graphcore model with an ``IPUConfig``,
-published as ``ipu_config.json`` beside each model on the Hub. This module reimplements its
-behaviour (optimum-graphcore 0.7): every attribute with optimum's default, type and minimum,
-the cross-checks, the inference twins and ``train()``/``eval()`` modes, serialisation, and
+Its behaviour as of optimum-graphcore 0.7: every attribute with its default, type and
+minimum, the cross-checks, the inference twins and ``train()``/``eval()``, serialisation,
 :func:`get_layer_ipu`, :func:`split_encoder_decoder_ipu_config` and
-:func:`recomputation_checkpoint`. IPU compiler settings are accepted and have no effect
-(:meth:`IPUConfig.ignored_settings`); older Hub files are read as docs/ipuconfig.md says.
+:func:`recomputation_checkpoint`. IPU compiler settings are accepted with no effect.
 """
 from __future__ import annotations
 

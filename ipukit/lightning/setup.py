@@ -1,10 +1,7 @@
-"""``IPUStrategy``'s setup: the Trainer's settings turned into ipukit Options and loaders.
-
-:class:`TrainerSetup` refuses what ipukit cannot run (manual optimisation, gradient clipping,
-accumulation schedules, batch-transfer hooks, several optimisers), builds one
-:class:`~ipukit.Options` per kind of run from ``devices``, ``accumulate_grad_batches`` and
-``device_iterations`` (or checks the user's own against them), and turns each ``DataLoader``
-into an :class:`ipukit.DataLoader` whose batch is one whole ipukit call.
+"""``IPUStrategy``'s setup: :class:`TrainerSetup` refuses what ipukit cannot run (manual
+optimisation, gradient clipping, accumulation schedules, several optimisers, ...), builds one
+:class:`~ipukit.Options` per kind of run and turns each ``DataLoader`` into an
+:class:`ipukit.DataLoader` whose batch is one call.
 """
 from __future__ import annotations
 

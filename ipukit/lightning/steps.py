@@ -1,9 +1,6 @@
-"""``IPUStrategy``'s bridge from Lightning's ``*_step`` calls to ipukit models.
-
-Each ``*_step`` becomes the forward of a :class:`_StepModule`, wrapped once per kind of run
-and dataloader in an ipukit ``trainingModel`` or ``inferenceModel`` (compiled by its first
-batch). :class:`StepBridge` builds, runs and casts for them, and reports ``self.log`` calls a
-traced step cannot make. One Lightning training step is one call.
+"""``IPUStrategy``'s bridge from Lightning's ``*_step`` calls to ipukit models: each step becomes
+the forward of a :class:`_StepModule`, wrapped once per kind of run and dataloader; one
+training step is one call.
 """
 from __future__ import annotations
 

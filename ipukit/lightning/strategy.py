@@ -1,11 +1,9 @@
 """PyTorch Lightning's IPU front door on ipukit: ``IPUAccelerator``, ``IPUStrategy``, ``IPUPrecision``.
 
-Lightning code written for Graphcore IPUs runs with one changed import
-(``from ipukit.lightning import IPUStrategy``). Importing this module registers the
-accelerator ``"ipu"`` and the strategy ``"ipu_strategy"`` with pytorch-lightning (the
-``ipukit[lightning]`` extra), and ``Trainer(accelerator="ipu")`` picks :class:`IPUStrategy`
-when no strategy is given. Every Lightning batch is one ipukit call; docs/lightning.md maps
-each Lightning setting to ipukit.
+Lightning code written for Graphcore IPUs runs with one changed import. Importing this
+module registers the accelerator ``"ipu"`` and the strategy ``"ipu_strategy"``, and
+``Trainer(accelerator="ipu")`` picks :class:`IPUStrategy`. Every Lightning batch is one
+ipukit call (docs/lightning.md maps each setting).
 """
 from __future__ import annotations
 

@@ -1,7 +1,3 @@
-"""Floor 4: running a Program.
-
-Threads (:mod:`.executor`, :mod:`.workers`, :mod:`.actions`, :mod:`.update`, ...) and
-processes (:mod:`.processes`, on torch.distributed.pipelining) behind one call contract:
-record events into a Timeline, scale gradients, produce output rows, step the optimiser,
-undo a failed or interrupted call.
+"""Floor 4: running a Program, on threads (:mod:`.executor`) or processes (:mod:`.processes`),
+behind one call contract (:mod:`.contract`).
 """

@@ -1,12 +1,9 @@
 """Timing GPU work with CUDA events: one synchronisation per call, not one per action.
 
-GPU work is asynchronous: the host's clock after a launch says when the work
-was queued, not when it ran. Synchronising after every forward and backward
-would time it, but would also stop the host from queueing ahead — the timeline
-would change what it measures. Instead each action records a CUDA event before
-and after its work on the device's current stream; after the call, one
-synchronisation per device turns the events into host-clock times through a
-reference event recorded (on an idle device) at a known host time.
+Each action records a CUDA event before and after its work on the device's stream (a host
+clock would say when work was queued, and a synchronisation per action would stop the host
+queueing ahead); after the call, one synchronisation per device turns the events into
+host-clock times through a reference event.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The one registry of schedule kinds: each kind one record.
-
-Every table of schedule facts in ipukit is read from here: the names
-``Options.pipelineSchedule`` takes, how stages are placed on IPUs, whether the backward
-is split into I and W actions, torch.distributed.pipelining's class of the same
-schedule, and the generator that writes its order (:mod:`.generators`).
+"""The one registry of schedule kinds, each one record: the names ``Options.pipelineSchedule``
+takes, the placement, whether the backward is split, torch's class, and the generator.
 """
 from __future__ import annotations
 

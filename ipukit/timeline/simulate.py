@@ -1,10 +1,9 @@
 """The schedule model with costs you give: :func:`simulate`.
 
-The model runs the very schedule the executor runs — same lanes, same order,
-same dependencies (:func:`ipukit.schedules.ir.walk`) — with costs instead of work, and
-returns a :class:`~ipukit.Timeline` marked ``modeled``. Costs can be scalars or per-stage
-lists, or come straight from a measured timeline (:func:`costs_from`).
-A calibrated machine's costs model a call with :func:`ipukit.timeline.costs.model_call`.
+It runs the very schedule the executor runs (same lanes, order and dependencies:
+:func:`ipukit.schedules.ir.walk`) with costs instead of work, and returns a modeled
+:class:`~ipukit.Timeline`. Costs may come from a measured timeline (:func:`costs_from`);
+a calibrated table models a call with :func:`ipukit.timeline.costs.model_call`.
 """
 from __future__ import annotations
 

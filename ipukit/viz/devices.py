@@ -1,10 +1,5 @@
-"""A per-device Gantt chart for schedules with several stages on one virtual IPU.
-
-:func:`ipukit.viz.plots.timeline_figure` already draws one row per virtual IPU; with
-interleaved 1F1B, looped BFS, ZBV or DualPipeV each row holds two (or more) stages,
-which that chart colours alike. :func:`device_figure` draws the same bars and marks
-which stage each belongs to: every bar is labelled ``stage:micro-batch``, and the
-bars of a device's second stage are hatched (its third dotted, ...).
+"""A per-device Gantt chart for schedules with several stages on one virtual IPU: each bar is
+labelled ``stage:micro-batch`` and a device's second stage is hatched (its third dotted).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """PopVision-style plotly figures of timelines, utilisation, memory and training curves.
 
-Every figure is built from plain numbers (a :class:`~ipukit.Timeline`, a
-memory report, a list of dicts), so measured and modeled runs are drawn by the
-same code. Figures use only ``go.Bar``/``go.Scatter`` with a numeric time axis
-(milliseconds, not datetimes), so they are cheap to rebuild on every slider
-move and work unchanged inside a ``go.FigureWidget``.
+Every figure is built from plain numbers, so measured and modeled runs are drawn by the same
+code, with ``go.Bar``/``go.Scatter`` on a numeric time axis (ms): cheap to rebuild, and
+unchanged inside a ``go.FigureWidget``.
 """
 from __future__ import annotations
 

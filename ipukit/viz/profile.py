@@ -1,9 +1,5 @@
-"""Profile files of a call: a Chrome trace and a self-contained HTML report.
-
-``Options().profileDir(path)`` writes both after every call, PopVision-style:
-the trace opens in Perfetto or ``chrome://tracing``; the HTML report embeds
-plotly.js, so it opens offline. File names carry the model kind, a model number
-(for a second model of the kind in one folder) and the call number.
+"""Profile files of a call (``Options().profileDir(path)``, after every call): a Chrome trace
+for Perfetto or ``chrome://tracing``, and a self-contained HTML report that opens offline.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The run's process group: joining it, and telling every process when one of them failed.
-
-Processes join with gloo on CPU (NCCL for CUDA tensors) under a timeout
-(``IPUKIT_DIST_TIMEOUT``, default 300 s). A process that raises records
-``rank r: Error: message`` in the rendezvous store (and, under ipukit-run, in
-``IPUKIT_FAILURE_DIR``), so its peers, which then see only a broken
-connection, can name the process that failed and why.
+"""The run's process group: joining it (gloo, or NCCL for CUDA tensors, under
+``IPUKIT_DIST_TIMEOUT``), and recording a failing rank's error in the rendezvous store so its
+peers, which see only a broken connection, can name it.
 """
 from __future__ import annotations
 
