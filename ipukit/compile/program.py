@@ -1,11 +1,7 @@
-"""The compiled state of a model: one :class:`Program`, read by every other module.
-
-Compiling turns a model, its Options and a first batch into a ``Program``: the stages, how
-tensors route between them and the host, each virtual IPU's device, the schedule, batching
-and output selection, the input signature (other inputs recompile), the inputs the model
-changes in place and the tensors its stages hold. Runtimes, reports and widgets read these
-public fields, never a wrapper's private attributes. A Program never changes once built;
-``replica_modules`` and ``runtime_cache`` are the caches it fills.
+"""The compiled state of a model: one frozen :class:`Program` (stages, routing, devices,
+schedule, batching, input signature, in-place inputs, the tensors its stages hold), read by
+runtimes, reports and widgets through public fields; ``replica_modules`` and
+``runtime_cache`` are the caches it fills.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Anchored tensors: reading a training step's gradients and updated weights after a call.
+"""Anchored tensors: a training step's gradients and updated weights after a call.
 
-PopTorch programs anchor internal tensors under PopART's names
-(``opts.anchorTensor("grad_fc1", "Gradient___fc1.weight")``, then
-``model.getAnchoredTensor("grad_fc1")``). ipukit provides both kinds, for every trainable
-parameter ``<name>``: ``Gradient___<name>`` (one micro-batch's gradient, before accumulation
-and reduction, one value per micro-batch) and ``UpdatedVar___<name>`` (the parameter after
-an optimiser step, one value per iteration). Values are returned as a model output under the
-anchor's output mode (by default the model's).
+PopTorch programs anchor them under PopART's names (``opts.anchorTensor("grad_fc1",
+"Gradient___fc1.weight")``, then ``model.getAnchoredTensor("grad_fc1")``): for every
+trainable parameter, ``Gradient___<name>`` (one value per micro-batch, before accumulation)
+and ``UpdatedVar___<name>`` (one per iteration), returned under the anchor's output mode.
 """
 from __future__ import annotations
 

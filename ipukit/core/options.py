@@ -1,18 +1,8 @@
-"""PopTorch's ``Options``: chainable setters, frozen once in use.
-
-An :class:`Options` object is handed to a model or a :class:`~ipukit.DataLoader`;
-from then on it is frozen and a setter raises :class:`~ipukit.core.errors.FrozenOptionsError`
-(``options.clone()`` gives a modifiable copy). Setters PopTorch had for the IPU
-compiler are accepted so PopTorch programs run unchanged; they have no effect
-here and are listed under ``"ignored"`` in :meth:`Options.toDict`.
-
-ipukit's own additions (documented in docs/options.md):
-
-* :meth:`Options.pipelineSchedule` — ``"1F1B"`` (default), ``"GPipe"`` and the modern schedules;
-* :meth:`Options.deviceMapping` — which torch device each virtual IPU runs on;
-* :meth:`Options.cpuThreadsPerIpu` — intra-op threads per virtual-IPU worker;
-* :meth:`Options.recordTimeline` and :meth:`Options.profileDir`;
-* :meth:`Options.trackMemory` — measure each call's memory per virtual IPU.
+"""PopTorch's ``Options``: chainable setters, frozen once handed to a model or a DataLoader
+(``options.clone()`` gives a modifiable copy). Setters PopTorch had for the IPU compiler are
+accepted with no effect and listed under ``"ignored"`` in :meth:`Options.toDict`; ipukit's
+own additions (``pipelineSchedule``, ``deviceMapping``, ``cpuThreadsPerIpu``,
+``recordTimeline``, ``profileDir``, ``trackMemory``, ``stallTimeout``) are in docs/options.md.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """What a dashboard needs to know of a model: :class:`ModelSpec`, one per example.
 
-The dashboard (:class:`ipukit.widgets.PipelineExplorer`) knows no model of its own: it is
-given specs (``PipelineExplorer(models=[mnist.explorer_model(), vit.explorer_model()])``)
-and reads only their attributes: how to build the network (``factory``) and make it a
-training model (``wrap``); how its blocks are placed, by a stage split of ``blocks``
-(``layers == 0``) or by an :class:`~ipukit.IPUConfig`'s ``layers_per_ipu`` (``layers > 0``:
-the network's own ``parallelize`` places them; ``presets``, ``default_layers``,
-``layer_blocks``, ``together``); one sample's shape and the starting micro-batch size; and
-optionally ``reference_costs(micro_batch_size)``, a fixed cost table for lessons whose numbers
-must not depend on the reader's machine. :meth:`calibration_module` and
-:meth:`sample_batch` are what :func:`ipukit.calibrate` measures.
+The dashboard (:class:`ipukit.widgets.PipelineExplorer`) knows no model of its own: it reads
+a spec's ``factory`` and ``wrap``; its placement, by a stage split of ``blocks``
+(``layers == 0``) or by the network's own ``parallelize`` from ``layers_per_ipu``
+(``layers > 0``: ``presets``, ``default_layers``, ``layer_blocks``, ``together``); one
+sample's shape and the starting micro-batch size; and optionally ``reference_costs``, a fixed
+cost table for lessons whose numbers must not depend on the reader's machine.
 """
 from __future__ import annotations
 
