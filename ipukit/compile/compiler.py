@@ -15,11 +15,12 @@ from .._torch import pytree
 from ..core import anchors, batching as microbatch
 from . import partition
 from .. import schedules
-from ..core.errors import (Error, LossError, InputShapeError, ModelStateError, OptionsError,
+from ..core.errors import (LossError, InputShapeError, ModelStateError, OptionsError,
                            PipelineConfigError, TracingError)
 from ..core.options import Options
 from .program import Program, signature_of
 from ..core.strategies import ShardedExecution
+from ..schedules.generators import LOOPED, V_SHAPED
 
 
 def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat: List[Any],
@@ -41,8 +42,9 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
     strategy = opts.execution_strategy
     before, persistent = module_tensors(model), persistent_names(model)
     try:
-        part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy,
-                          _several_stages_per_ipu(opts, training), training)
+        several = training and schedules.kind_of(opts.pipeline_schedule) in LOOPED + V_SHAPED
+        part = _partition(model, _on_weights_device(model, micro[0]), spec, strategy, several,
+                          training)
     except TracingError as exc:
         if "dtype" not in str(exc):
             raise
@@ -60,9 +62,7 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
         if dev.type != "cpu":
             st.module.to(dev)
     tensor_inputs = tuple(i for i, v in enumerate(flat) if isinstance(v, torch.Tensor))
-    # The inputs the model changes in place get their own copy per micro-batch from the
-    # wrapper, which writes them back into the caller's tensors after the call; the
-    # executor then passes them as they are (no second copy that would lose the change).
+    # the wrapper copies the inputs changed in place (and writes them back): no executor copy
     mutated = _mutated_input_devices(part, tensor_inputs, devices)
     part.mutated_inputs = frozenset()
     return Program(
@@ -81,8 +81,7 @@ def compile_program(model: torch.nn.Module, opts: Options, training: bool, flat:
 
 
 def _mutated_input_devices(part: partition.Partition, tensor_inputs, devices) -> dict:
-    """Flat position of each input the model changes in place -> the device of the first
-    stage that reads it (the wrapper puts that input's copies there)."""
+    """Flat position of each input the model changes in place -> its first reader's device."""
     found = {}
     for index in sorted(part.mutated_inputs):
         if index >= len(tensor_inputs):
@@ -93,8 +92,6 @@ def _mutated_input_devices(part: partition.Partition, tensor_inputs, devices) ->
         found[tensor_inputs[index]] = device
     return found
 
-
-# -- the module's parameters and buffers: what a compiled model holds ------------------
 
 def module_tensors(model: torch.nn.Module) -> dict:
     """``(kind, name) -> tensor`` for every parameter and buffer of ``model``; ``kind`` is
@@ -108,14 +105,9 @@ def changed_tensors(model: torch.nn.Module, compiled) -> list:
     """``(kind, name, how)`` for each compiled parameter or buffer that the module no longer
     holds: ``how`` is ``"removed"`` or ``"reassigned"`` (another tensor in its place)."""
     now = module_tensors(model)
-    changes = []
-    for (kind, name), tensor in (compiled.items() if isinstance(compiled, dict) else compiled):
-        current = now.get((kind, name))
-        if current is None:
-            changes.append((kind, name, "removed"))
-        elif current is not tensor:
-            changes.append((kind, name, "reassigned"))
-    return changes
+    return [(kind, name, "removed" if now.get((kind, name)) is None else "reassigned")
+            for (kind, name), tensor in (compiled.items() if isinstance(compiled, dict) else compiled)
+            if now.get((kind, name)) is not tensor]
 
 
 def put_back(model: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor,
@@ -134,8 +126,7 @@ def put_back(model: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor,
 
 
 def persistent_names(model: torch.nn.Module) -> Optional[set]:
-    """The names in ``model``'s state dict (its parameters and persistent buffers); None
-    when the module's ``state_dict`` fails (then every buffer counts as persistent)."""
+    """The names in ``model``'s state dict; None when its ``state_dict`` fails."""
     try:
         return set(model.state_dict(keep_vars=True))
     except Exception:  # noqa: BLE001 - a module whose state_dict fails
@@ -144,9 +135,8 @@ def persistent_names(model: torch.nn.Module) -> Optional[set]:
 
 def restore_module_tensors(model: torch.nn.Module, before: dict,
                            persistent: Optional[set] = None) -> list:
-    """Put back what running the model's forward (to trace it) removed or reassigned;
-    returns those changes (PopTorch refused such a forward). ``persistent``: the names of
-    :func:`persistent_names` from before, so that a removed buffer comes back as it was."""
+    """Put back what the traced forward removed or reassigned (``persistent``: the
+    :func:`persistent_names` from before); returns those changes (PopTorch refused them)."""
     changes = changed_tensors(model, before)
     if not changes:
         return changes
@@ -184,8 +174,7 @@ def updatable_buffers(opts: Options) -> Optional[List[str]]:
 
 
 def check_updatable_buffers(model: torch.nn.Module, opts: Options) -> None:
-    """``Options.updatableNamedBuffers`` must name buffers the model has (PopTorch failed
-    the compile otherwise)."""
+    """``Options.updatableNamedBuffers`` must name buffers the model has, as in PopTorch."""
     names = updatable_buffers(opts)
     if not names:
         return
@@ -199,8 +188,7 @@ def check_updatable_buffers(model: torch.nn.Module, opts: Options) -> None:
 
 
 def _on_weights_device(model: torch.nn.Module, sample: List[Any]) -> List[Any]:
-    """The trace sample on the device the weights are on (another model of the same
-    module may have moved them to CUDA already)."""
+    """The trace sample on the weights' device (another model may have moved them already)."""
     device = next((p.device for p in model.parameters()), None)
     if device is None or device.type == "cpu":
         return sample
@@ -225,13 +213,6 @@ def _check_loss(part: partition.Partition, training: bool) -> None:
                 "`with ipukit.Block(\"B4\"): loss = ...`).")
 
 
-def _several_stages_per_ipu(opts: Options, training: bool) -> bool:
-    """Whether the chosen schedule places several stages on one IPU (a loop or a V)."""
-    from ..schedules.generators import LOOPED, V_SHAPED
-
-    return training and schedules.kind_of(opts.pipeline_schedule) in LOOPED + V_SHAPED
-
-
 def _partition(model: torch.nn.Module, sample, spec, strategy,
                split_stages: bool = False, training: Optional[bool] = None
                ) -> partition.Partition:
@@ -242,8 +223,7 @@ def _partition(model: torch.nn.Module, sample, spec, strategy,
         if strategy.stages:
             raise
         part = partition.eager(model, sample, spec)
-        # the discovery run is the model's forward for real: give it copies, so that a model
-        # that changes its inputs in place changes them once per call, not once more here
+        # a real forward: copies, so inputs changed in place change once per call
         own = [v.clone() if isinstance(v, torch.Tensor) else v for v in sample]
         with partition.recording_blocks(strategy) as rec:
             partition.discover_eager_outputs(part, own)
@@ -260,7 +240,7 @@ def check_stage_counts(n: int, strategy, opts: Options, training: bool,
     schedules need their placement and their own minimum (:mod:`ipukit.schedules`)."""
     if n <= 1 or isinstance(strategy, ShardedExecution):
         return
-    o = opts
+    o, ga = opts, opts.Training.gradient_accumulation
     kind = schedules.kind_of(o.pipeline_schedule)
     if training and kind not in ("1f1b", "gpipe"):
         from ..schedules.generators import check_placement, minimum_micro_batches
@@ -271,7 +251,6 @@ def check_stage_counts(n: int, strategy, opts: Options, training: bool,
         except schedules.ScheduleError as exc:
             raise PipelineConfigError(str(exc)) from None
         needed = minimum_micro_batches(kind, n, count)
-        ga = o.Training.gradient_accumulation
         if ga < needed:
             raise PipelineConfigError(
                 f"ipukit.Options().Training.gradientAccumulation must be at least {needed} for "
@@ -280,7 +259,6 @@ def check_stage_counts(n: int, strategy, opts: Options, training: bool,
         return
     if training:
         needed = 2 * n - 1
-        ga = o.Training.gradient_accumulation
         if ga < needed:
             raise PipelineConfigError(
                 "poptorch.Options().Training.gradientAccumulation must be greater than or "
@@ -300,19 +278,17 @@ def check_stage_counts(n: int, strategy, opts: Options, training: bool,
 def build_schedule(part: partition.Partition, strategy, opts: Options,
                    training: bool) -> schedules.Schedule:
     """The schedule of one call: the pipelined kind chosen, or the sharded one."""
-    o = opts
-    n = part.num_stages
-    stage_ipus = [st.ipu for st in part.stages]
+    n, stage_ipus = part.num_stages, [st.ipu for st in part.stages]
     sharded = isinstance(strategy, ShardedExecution) and n > 1
     if training:
-        kind = "sharded" if sharded else schedules.kind_of(o.pipeline_schedule)
+        kind = "sharded" if sharded else schedules.kind_of(opts.pipeline_schedule)
         try:
-            return schedules.build(kind, n, o.Training.gradient_accumulation,
-                                   o.device_iterations, stage_ipus)
+            return schedules.build(kind, n, opts.Training.gradient_accumulation,
+                                   opts.device_iterations, stage_ipus)
         except schedules.ScheduleError as exc:
             raise PipelineConfigError(str(exc)) from None
     kind = "sharded-inference" if sharded else "inference"
-    return schedules.build(kind, n, o.device_iterations, 1, stage_ipus)
+    return schedules.build(kind, n, opts.device_iterations, 1, stage_ipus)
 
 
 def input_change(program: Program, model: torch.nn.Module, flat, spec, args, kwargs) -> str:
@@ -348,9 +324,8 @@ def _top_names(model: torch.nn.Module, args) -> List[str]:
 
 
 def _describe_leaf(value) -> str:
-    if value is None:
-        return "None"
-    return "torch.Tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+    return "None" if value is None else "torch.Tensor" if isinstance(value, torch.Tensor) \
+        else type(value).__name__
 
 
 def _children(spec) -> list:
@@ -401,37 +376,32 @@ def _spec_changes(old, new, top: List[str], old_leaves, new_leaves, found: List[
         found.append(f"Type mismatch for {path or 'inputs'}: expected {was} but got {now}")
         return
     old_children, new_children = _children(old), _children(new)
-    if not path and old.type is tuple and len(old_children) == 2:  # (args, kwargs)
-        a_old, k_old = old_children
-        a_new, k_new = new_children
-        if a_old.num_children != a_new.num_children:
-            found.append("Number of positional arguments mismatch: expected "
-                         f"{a_old.num_children} arguments but got {a_new.num_children}")
-            _skip(old, old_leaves)
-            _skip(new, new_leaves)
-            return
-        for i, (o, n) in enumerate(zip(_children(a_old), _children(a_new))):
+    args = not path and old.type is tuple and len(old_children) == 2  # (args, kwargs)
+    if args and old_children[0].num_children != new_children[0].num_children:
+        mismatch = ("Number of positional arguments mismatch: expected "
+                    f"{old_children[0].num_children} arguments but got "
+                    f"{new_children[0].num_children}")
+    elif args:
+        for i, (o, n) in enumerate(zip(_children(old_children[0]), _children(new_children[0]))):
             _spec_changes(o, n, top, old_leaves, new_leaves, found,
                           top[i] if i < len(top) else f"args[{i}]")
-        _keyed_changes(k_old, k_new, top, old_leaves, new_leaves, found, "", keyword=True)
+        return _keyed_changes(old_children[1], new_children[1], top, old_leaves, new_leaves,
+                              found, "", keyword=True)
+    elif old.type in (dict, collections.OrderedDict):
+        return _keyed_changes(old, new, top, old_leaves, new_leaves, found, path)
+    elif len(old_children) != len(new_children):
+        mismatch = (f"Length mismatch for {path}: expected {len(old_children)} elements but "
+                    f"got {len(new_children)}")
+    elif old.context != new.context:  # a namedtuple's fields, a custom type's own context
+        mismatch = (f"Structure mismatch for {path}: the {old.type.__name__} differs from "
+                    "the one the model was compiled with")
+    else:
+        for i, (o, n) in enumerate(zip(old_children, new_children)):
+            _spec_changes(o, n, top, old_leaves, new_leaves, found, f"{path}[{i}]")
         return
-    if old.type in (dict, collections.OrderedDict):
-        _keyed_changes(old, new, top, old_leaves, new_leaves, found, path)
-        return
-    if len(old_children) != len(new_children):
-        found.append(f"Length mismatch for {path}: expected {len(old_children)} elements but "
-                     f"got {len(new_children)}")
-        _skip(old, old_leaves)
-        _skip(new, new_leaves)
-        return
-    if old.context != new.context:  # a namedtuple's fields, a custom type's own context
-        found.append(f"Structure mismatch for {path}: the {old.type.__name__} differs from "
-                     "the one the model was compiled with")
-        _skip(old, old_leaves)
-        _skip(new, new_leaves)
-        return
-    for i, (o, n) in enumerate(zip(old_children, new_children)):
-        _spec_changes(o, n, top, old_leaves, new_leaves, found, f"{path}[{i}]")
+    found.append(mismatch)
+    _skip(old, old_leaves)
+    _skip(new, new_leaves)
 
 
 def _keyed_changes(old, new, top, old_leaves, new_leaves, found, path, keyword=False) -> None:
@@ -447,18 +417,14 @@ def _keyed_changes(old, new, top, old_leaves, new_leaves, found, path, keyword=F
         found.append(f"Keys order mismatch for {path}: expected {old_keys} but got {new_keys}")
     # walk the common keys (leaves of the others are skipped)
     new_at = dict(zip(new_keys, _children(new)))
-    old_leaf_lists = []
-    for key, spec in zip(old_keys, _children(old)):
-        old_leaf_lists.append((key, spec, [next(old_leaves) for _ in range(spec.num_leaves)]))
-    new_leaf_map = {}
-    for key, spec in zip(new_keys, _children(new)):
-        new_leaf_map[key] = [next(new_leaves) for _ in range(spec.num_leaves)]
+    old_leaf_lists = [(key, spec, [next(old_leaves) for _ in range(spec.num_leaves)])
+                      for key, spec in zip(old_keys, _children(old))]
+    new_leaf_map = {key: [next(new_leaves) for _ in range(spec.num_leaves)]
+                    for key, spec in zip(new_keys, _children(new))}
     for key, spec, leaves in old_leaf_lists:
-        if key not in new_at:
-            continue
-        name = str(key) if keyword else f"{path}[{key!r}]"
-        _spec_changes(spec, new_at[key], top, iter(leaves), iter(new_leaf_map[key]), found,
-                      name)
+        if key in new_at:
+            _spec_changes(spec, new_at[key], top, iter(leaves), iter(new_leaf_map[key]), found,
+                          str(key) if keyword else f"{path}[{key!r}]")
 
 
 def devices_for(ipus: List[int], mapping: Optional[List[str]]) -> dict:

@@ -1,14 +1,8 @@
-"""A stage's traced module as one flat graph: what every runtime calls for each micro-batch.
-
-torch's tracer hands each stage back as nested ``InterpreterModule``s, one per module of the
-user's model, and each level costs a call and tracing checks on every forward.
-:func:`flat_stage` inlines them into one ``GraphModule`` calling the same ops in the same
-order on the same parameter and buffer objects, so weights, gradients and in-place buffer
-updates are exactly the nested module's. It inlines only what it understands (fx graphs
-called positionally); anything else leaves the stage as it was. Where torch has a public
-built-in for an aten overload the graph calls (``torch.nn.functional.linear``,
-``torch.relu``, ``Tensor.view``), the flat graph calls that instead (:func:`public_op`):
-the same kernels and autograd nodes through a faster binding.
+"""A stage's traced module as one flat graph: :func:`flat_stage` inlines torch's nested
+``InterpreterModule``s (each level a call and checks per forward) into one ``GraphModule`` with
+the same ops on the same parameters and buffers, and calls torch's public built-ins for aten
+overloads (:func:`public_op`: same kernels, faster binding). What it does not understand stays
+nested.
 """
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ def _has_graph(module: torch.nn.Module) -> bool:
 
 
 def flat_stage(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with every nested graph module inlined, or ``module`` itself when that is
-    not possible (see the module docstring)."""
+    """``module`` with every nested graph module inlined, or ``module`` itself when not possible."""
     if not _has_graph(module):
         return module
     graph = fx.Graph()
@@ -107,9 +100,7 @@ _PUBLIC: Dict[Any, Optional[tuple]] = {}
 
 def public_op(target: Any) -> Optional[tuple]:
     """``(node op, target)`` calling torch's public built-in for the aten overload ``target``, or
-    None where there is none or it may not be the same call (non-aten or private ops, ops whose
-    first argument is not a tensor or a list of them, Python wrappers).
-    """
+    None where it may not be the same call."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
     if target in _PUBLIC:
@@ -120,8 +111,7 @@ def public_op(target: Any) -> Optional[tuple]:
         name = schema.name.split("::", 1)[1]
         first = schema.arguments[0] if schema.arguments else None
         if first is not None and str(first.type) in ("Tensor", "List[Tensor]") \
-                and not first.kwarg_only \
-                and not name.startswith("_"):
+                and not first.kwarg_only and not name.startswith("_"):
             for home in (torch.nn.functional, torch):
                 f = getattr(home, name, None)
                 if type(f).__name__ == "builtin_function_or_method" and f.__name__ == name:

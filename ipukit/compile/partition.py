@@ -78,12 +78,8 @@ class Partition:
 
     def consumers(self, stage: int) -> List[Tuple[int, int, Optional[int]]]:
         """(consumer stage, argument position, item) for every use of ``stage``'s outputs."""
-        uses = []
-        for s in self.stages:
-            for pos, ref in enumerate(s.args):
-                if ref.kind == "stage" and ref.index == stage:
-                    uses.append((s.index, pos, ref.item))
-        return uses
+        return [(s.index, pos, ref.item) for s in self.stages for pos, ref in enumerate(s.args)
+                if ref.kind == "stage" and ref.index == stage]
 
 
 _SEEN: dict = {}
@@ -95,23 +91,19 @@ class _FlatModel(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, in_spec, template: Sequence) -> None:
         super().__init__()
-        # an int key, not id(self): torch.export may run a copy of this module
-        # (it does when a submodule is registered twice), and a copy keeps the key
+        # an int key, not id(self): torch.export may run a copy of this module, which keeps it
         self._key = next(_KEYS)
         weakref.finalize(self, _SEEN.pop, self._key, None)
         self.model = model
         self._in_spec = in_spec
         self._template = list(template)   # non-tensor leaves stay fixed
         self._tensor_slots = [i for i, v in enumerate(template) if isinstance(v, torch.Tensor)]
-        # Fast paths for the common case: positional tensor arguments in, and a
-        # tensor or a flat tuple of tensors out (no pytree work per micro-batch).
+        # fast paths: positional tensors in, a tensor or flat tuple out (no pytree work)
         n = len(self._template)
         self._positional = (len(self._tensor_slots) == n
                             and pytree.tree_flatten((tuple(range(n)), {}))[1] == in_spec)
         self._flat_out: Optional[int] = None   # set by use_fast_outputs()
         self._record = True
-        # run under MixedPrecision (set when the trace found float16 activations meeting
-        # float32 weights; a traced stage has the casts in its graph instead)
         self.mixed_precision = False
 
     def use_fast_outputs(self) -> None:
@@ -126,8 +118,7 @@ class _FlatModel(torch.nn.Module):
         elif spec == pytree.tree_flatten(tuple(leaves))[1]:
             self._flat_out = n
 
-    # torch.export restores module state mutated while tracing, so what the
-    # trace learns about the outputs is kept outside the module.
+    # torch.export restores module state mutated while tracing: the outputs are kept outside
     @property
     def out_spec(self):
         return _SEEN.get(self._key, {}).get("spec")
@@ -196,30 +187,17 @@ _REDUCED = (torch.float16, torch.bfloat16)
 
 
 class MixedPrecision(TorchFunctionMode):
-    """PopTorch's resolution of float16 activations meeting float32 weights.
-
-    PopTorch: "the parameters will be converted to float16 if you call an operation with a
-    float16 input", and the updates stay float32. Per operation, where the model's own
-    parameters and buffers are the *weights* and every other floating tensor an *activation*:
-
-    * matrix products and convolutions: when every floating activation is float16 (or
-      bfloat16) and the weights float32, the op uses the weights cast to the activations'
-      dtype (the cast is part of the step, so gradients reach the float32 weights); integer
-      activations meeting float weights are cast to the weights' dtype;
-    * normalisations: PyTorch's mixed-precision kernels; float16 weights with float32 running
-      statistics are used as float32, so the statistics keep their dtype;
-    * everything else: PyTorch's type promotion.
-
-    While a model is traced the casts become part of each stage's graph; a model run eagerly as
-    one stage runs under this mode.
-    """
+    """PopTorch's resolution of float16 activations meeting float32 weights (the model's own
+    parameters and buffers): matrix products and convolutions use the weights cast to the
+    activations' dtype (gradients still reach the float32 weights; integer activations are cast
+    to the weights' dtype); normalisations use float16 weights as float32 when the running
+    statistics are float32; everything else follows PyTorch's type promotion. A traced model
+    gets the casts in its stage graphs; a model run eagerly runs under this mode."""
 
     def __init__(self, model: torch.nn.Module, fixed_weights: bool = False) -> None:
         super().__init__()
         self.model = model
         self.casts = 0     # operations that needed the rule
-        # fixed_weights: the model's parameter and buffer objects stay the same while the
-        # mode is on (one eager call), so they are listed once
         self._fixed = fixed_weights
         self._ids = None   # (parameter ids, buffer ids)
 
@@ -230,9 +208,7 @@ class MixedPrecision(TorchFunctionMode):
             args, kwargs = self._resolve(name in _NORM_OPS, args, kwargs)
         return func(*args, **kwargs)
 
-    def _state_ids(self):
-        # read at the time of the op: while torch.export traces, the module holds
-        # stand-ins for its parameters and buffers, and those are what the op sees
+    def _state_ids(self):  # read per op unless fixed: torch.export swaps in stand-ins
         if self._ids is None or not self._fixed:
             self._ids = ({id(p) for p in self.model.parameters()},
                          {id(b) for b in self.model.buffers()})
@@ -272,7 +248,6 @@ class MixedPrecision(TorchFunctionMode):
 
 
 def _root_cause(exc: BaseException) -> str:
-    """The first line of the innermost exception: the tracer's own reason."""
     seen = set()
     while id(exc) not in seen and (exc.__cause__ or exc.__context__) is not None:
         seen.add(id(exc))
@@ -282,8 +257,7 @@ def _root_cause(exc: BaseException) -> str:
 
 
 def _own_error(exc: BaseException) -> Optional[BaseException]:
-    """The ipukit error that the tracer wrapped in its own, if any (a refusal, a bad
-    argument to an ipukit operation: the model would raise it eagerly too)."""
+    """The ipukit error that the tracer wrapped in its own, if any."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -303,30 +277,17 @@ def _loss_index(flat_model: _FlatModel, marks: LossMarks) -> Tuple[Optional[int]
         for i, leaf in enumerate(tensor_leaves):
             if leaf is marked:
                 return i, True
-    named = _named_loss(leaves, flat_model.out_spec)
-    if named is not None:
-        return named, False
+    if flat_model.out_spec is not None:
+        try:
+            paths = pytree.tree_flatten_with_path(
+                pytree.tree_unflatten(list(leaves), flat_model.out_spec))[0]
+        except Exception:  # noqa: BLE001 - an output pytree cannot rebuild: no named loss
+            paths = []
+        names = [getattr(p[-1], "key", getattr(p[-1], "name", None)) if p else None
+                 for p, leaf in paths if isinstance(leaf, torch.Tensor)]
+        if "loss" in names:
+            return names.index("loss"), False
     return (len(tensor_leaves) - 1 if tensor_leaves else None), False
-
-
-def _named_loss(leaves, spec) -> Optional[int]:
-    """The tensor position of an output whose key or attribute is ``loss``, if any."""
-    if spec is None:
-        return None
-    try:
-        paths = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(leaves), spec))[0]
-    except Exception:  # noqa: BLE001 - an output pytree cannot rebuild: no named loss
-        return None
-    position = -1
-    for path, leaf in paths:
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        position += 1
-        last = path[-1] if path else None
-        name = getattr(last, "key", getattr(last, "name", None))
-        if name == "loss":
-            return position
-    return None
 
 
 def _validate(recorder: _blocks.BlockRecorder, strategy: PipelinedExecution,
@@ -375,10 +336,8 @@ def _check_contiguous_stages(strategy: PipelinedExecution,
     if missing:
         on = {}
         for block, stage_id in begins:
-            on.setdefault(stage_id, [])
-            if block not in on[stage_id]:
-                on[stage_id].append(block)
-        used = ", ".join(f"IPU {i}: {on[i]}" for i in stage_ids)
+            on.setdefault(stage_id, {})[block] = None
+        used = ", ".join(f"IPU {i}: {list(on[i])}" for i in stage_ids)
         raise PipelineConfigError(
             f"The set of pipeline stages for all Ops contains {len(stage_ids)} stages, but "
             f"stage {missing[0]} is missing. With AutoStage.SameAsIpu a block's ipu_id is "
@@ -389,10 +348,7 @@ def _check_contiguous_stages(strategy: PipelinedExecution,
 
 
 def _check_not_meta(model: torch.nn.Module, flat_inputs: Sequence) -> None:
-    """Tensors on the meta device have a shape and no data: nothing can run on them.
-
-    The weights are checked first: the trace sample follows the weights' device, so
-    meta weights make a meta sample of real inputs."""
+    """Refuse meta tensors (a shape, no data), weights first: the trace sample follows them."""
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
             if t.is_meta:
@@ -499,9 +455,8 @@ def _trace(model: torch.nn.Module, flat_inputs: Sequence, in_spec,
 
 
 def _mutated_inputs(split_gm: torch.nn.Module) -> frozenset:
-    """Indices of the tensor inputs an in-place op in the trace writes to (micro-batches share
-    the caller's version counter, so the executor gives those inputs their own copy).
-    """
+    """Indices of the tensor inputs an in-place op in the trace writes to (the executor gives
+    them their own copy)."""
     found = set()
     for module in split_gm.modules():
         graph = getattr(module, "graph", None)
@@ -565,35 +520,25 @@ def _from_split_graph(pipe, recorder, flat_model, out_leaves, loss) -> Partition
             outs = node.args[0]
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
             outputs = [ref_of(o) for o in outs]
-    # flat tensor outputs → positions among all leaves
-    all_outputs, it = [], iter(outputs)
-    for leaf in out_leaves:
-        all_outputs.append(next(it) if isinstance(leaf, torch.Tensor) else Ref("const", value=leaf))
+    it = iter(outputs)
+    all_outputs = [next(it) if isinstance(leaf, torch.Tensor) else Ref("const", value=leaf)
+                   for leaf in out_leaves]
     loss_leaf = _tensor_position_to_leaf(out_leaves, loss)
     return Partition(stages=stages, outputs=all_outputs, out_spec=flat_model.out_spec,
                      loss_output=loss_leaf, traced=True)
 
 
 def _tensor_position_to_leaf(out_leaves, tensor_index: Optional[int]) -> Optional[int]:
-    if tensor_index is None:
-        return None
-    seen = -1
-    for i, leaf in enumerate(out_leaves):
-        if isinstance(leaf, torch.Tensor):
-            seen += 1
-            if seen == tensor_index:
-                return i
-    return None
+    slots = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)]
+    return None if tensor_index is None or tensor_index >= len(slots) else slots[tensor_index]
 
 
 def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
           out_leaves=None, loss: Optional[int] = None, ipu: int = 0,
           blocks: Optional[List[str]] = None, loss_marked: bool = False,
           mixed_precision: bool = False) -> Partition:
-    """A one-stage partition that runs the user's model eagerly (no trace).
-
-    ``mixed_precision``: run it under :class:`MixedPrecision` (its float16
-    activations meet float32 weights)."""
+    """A one-stage partition that runs the user's model eagerly (no trace), under
+    :class:`MixedPrecision` when ``mixed_precision``."""
     flat_model = _FlatModel(model, in_spec, flat_inputs)
     flat_model.mixed_precision = mixed_precision
     n_tensors = sum(isinstance(v, torch.Tensor) for v in flat_inputs)
@@ -610,22 +555,14 @@ def eager(model: torch.nn.Module, flat_inputs: Sequence, in_spec, out_spec=None,
 
 
 def _set_eager_outputs(part: Partition, out_leaves, loss_tensor_index: Optional[int]) -> None:
-    outputs, k = [], 0
-    for leaf in out_leaves:
-        if isinstance(leaf, torch.Tensor):
-            outputs.append(Ref("stage", 0, k))
-            k += 1
-        else:
-            outputs.append(Ref("const", value=leaf))
-    part.outputs = outputs
+    k = itertools.count()
+    part.outputs = [Ref("stage", 0, next(k)) if isinstance(leaf, torch.Tensor)
+                    else Ref("const", value=leaf) for leaf in out_leaves]
     part.loss_output = _tensor_position_to_leaf(out_leaves, loss_tensor_index)
 
 
 def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
-    """Run the eager model once without gradients to learn its output structure.
-
-    Used only when the trace failed and the model is run as one stage.
-    """
+    """Run an untraced one-stage model once without gradients to learn its output structure."""
     flat_model = part.stages[0].module
     marks = LossMarks()
     mixed = MixedPrecision(flat_model.model)
@@ -650,7 +587,6 @@ def discover_eager_outputs(part: Partition, flat_inputs: Sequence) -> None:
 def recording_blocks(strategy: PipelinedExecution):
     """Record blocks during an eager call (to detect Blocks in an untraceable model)."""
     recorder = _blocks.BlockRecorder(strategy.stage_manager())
-    recorder_begin = recorder.begin
 
     def begin(user_id, ipu_id):  # no pipe_split outside a trace
         if user_id is None:
@@ -667,4 +603,3 @@ def recording_blocks(strategy: PipelinedExecution):
         yield recorder
     finally:
         _blocks.set_recorder(previous)
-        del recorder_begin

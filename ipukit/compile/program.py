@@ -13,7 +13,7 @@ import torch
 
 from ..core.enums import OutputMode, ReductionType
 from ..core.errors import LossError
-from ..core.batching import Batching
+from ..core.batching import Batching, kept_rows
 from .partition import Partition
 from ..schedules.ir import Schedule
 
@@ -40,11 +40,9 @@ class Program:
     record: bool = True
     track_memory: bool = False                 # Options.trackMemory: measure memory per IPU
     compile_seconds: float = 0.0
-    # flat position of each input the model changes in place -> the device its per-micro-batch
-    # copies go to (the wrapper makes them and writes them back into the caller's tensors)
+    # flat position of each input the model changes in place -> where the wrapper's copies go
     mutated_inputs: Dict[int, torch.device] = field(default_factory=dict)
-    # ((kind, name), tensor) for every parameter ("Parameter") and buffer ("Buffer") of the
-    # module when it was compiled: the tensors the stages hold
+    # (("Parameter" | "Buffer", name), tensor) as compiled: the tensors the stages hold
     module_tensors: Tuple[Tuple[Tuple[str, str], torch.Tensor], ...] = ()
     # derived in __post_init__
     consumers: List[List[Tuple[int, int, int]]] = field(init=False)
@@ -55,25 +53,20 @@ class Program:
     keep_rows: Optional[FrozenSet[int]] = field(init=False)
     # (stage, replica >= 1) -> that replica's copy of a stage module with buffers
     replica_modules: Dict[Tuple[int, int], torch.nn.Module] = field(init=False)
-    # what the runtime derives from the program alone, keyed by its user (e.g. a sharded
-    # call's chain of stage modules, fused.Chain): worked out at the first call, kept
+    # what a runtime derives from the program alone at the first call, keyed by its user
     runtime_cache: Dict[Any, Any] = field(init=False)
 
     def __post_init__(self) -> None:
-        from ..core.batching import kept_rows
-
         part, n = self.partition, self.partition.num_stages
-        derived: Dict[str, Any] = {"replica_modules": {}, "runtime_cache": {}, "loss_stage": None,
-                                   "loss_item": 0}
-        derived["consumers"] = [[(c, pos, 0 if item is None else item)
-                                 for c, pos, item in part.consumers(s)] for s in range(n)]
         host: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
         for j, ref in enumerate(part.outputs):
             if ref.kind == "stage":
                 host[ref.index].append((j, 0 if ref.item is None else ref.item))
-        derived["host_outputs"] = host
-        derived["trainable"] = [[p for p in st.parameters if p.requires_grad]
-                                for st in part.stages]
+        derived: Dict[str, Any] = dict(
+            replica_modules={}, runtime_cache={}, loss_stage=None, loss_item=0, host_outputs=host,
+            consumers=[[(c, pos, 0 if item is None else item) for c, pos, item in part.consumers(s)]
+                       for s in range(n)],
+            trainable=[[p for p in st.parameters if p.requires_grad] for st in part.stages])
         if part.loss_output is not None and self.training:
             ref = part.outputs[part.loss_output]
             if ref.kind == "stage":
@@ -83,7 +76,6 @@ class Program:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
-    # -- where things run ----------------------------------------------------------
     @property
     def stage_ipus(self) -> List[int]:
         return [st.ipu for st in self.partition.stages]
@@ -97,13 +89,9 @@ class Program:
         return self.partition.stages[stage].module if mine is None else mine
 
     def prepare_replicas(self, replicas: int, broadcast: bool = True) -> None:
-        """Give replicas 1.. their own buffers, starting from the host's (replica 0's).
-
-        Replicas share the weights but each has its own buffers (BatchNorm statistics), as IPU
-        replicas had; replica 0 runs the user's modules. Copies are made once, then refreshed from
-        the host before each call (``broadcast``, PopTorch's ``broadcastBuffers(True)``); with
-        ``broadcast=False`` each replica keeps its own from call to call.
-        """
+        """Give replicas 1.. their own buffers (weights are shared; replica 0 runs the user's
+        modules), copied once, then refreshed from the host before each call when ``broadcast``
+        (PopTorch's ``broadcastBuffers``)."""
         if replicas <= 1:
             return
         for index, stage in enumerate(self.partition.stages):
@@ -137,10 +125,8 @@ class Program:
                 "'return output, loss').")
         return loss
 
-    # -- what a call must match to run without recompiling ---------------------------
     def same_inputs(self, flat: List[Any], spec) -> bool:
-        """The cheap check on every call: same structure, shapes and dtypes as compiled
-        (otherwise the wrapper recompiles, saying why)."""
+        """Every call's cheap check: same structure, shapes and dtypes as compiled."""
         if len(flat) != len(self.shapes) or spec != self.in_spec:
             return False
         for v, expected, sig in zip(flat, self.shapes, self.signature):
@@ -153,14 +139,7 @@ class Program:
         return True
 
 
-def micro_shape(v: torch.Tensor, factor: int) -> Tuple[int, ...]:
-    shape = list(v.shape)
-    if shape:
-        shape[0] //= factor
-    return tuple(shape)
-
-
 def signature_of(flat: List[Any], factor: int) -> Tuple[Any, ...]:
     """Per flat input: a tensor's micro-batch shape and dtype, or a value's repr."""
-    return tuple(("tensor", micro_shape(v, factor), v.dtype) if isinstance(v, torch.Tensor)
-                 else ("value", repr(v)) for v in flat)
+    return tuple(("tensor", (v.shape[0] // factor, *v.shape[1:]) if v.dim() else (), v.dtype)
+                 if isinstance(v, torch.Tensor) else ("value", repr(v)) for v in flat)

@@ -30,16 +30,13 @@ class _OptionGroup:
         object.__setattr__(self, "_ignored", {})
 
     def __init_subclass__(cls, **kwargs):
-        """Seal every instance once its own ``__init__`` has run: after that,
-        assigning an unknown public name is a typo, not a new option."""
+        """Seal every instance after its own ``__init__``: a new public name is then a typo."""
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is None:
             return
 
-        # functools.wraps keeps the class's own signature and docstring for help() and
-        # inspect.signature (``Options()``, not this wrapper's arguments).
-        @functools.wraps(init)
+        @functools.wraps(init)  # help() and inspect.signature show the class's own
         def sealed_init(self, *args, **kw):
             init(self, *args, **kw)
             if type(self) is cls:
@@ -47,7 +44,6 @@ class _OptionGroup:
 
         cls.__init__ = sealed_init
 
-    # -- freezing ---------------------------------------------------------
     def _children(self) -> List["_OptionGroup"]:
         return [v for v in self.__dict__.values() if isinstance(v, _OptionGroup)]
 
@@ -72,7 +68,6 @@ class _OptionGroup:
         self._ignored[name] = value[0] if len(value) == 1 else value
         return self
 
-    # -- unknown names ----------------------------------------------------
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
@@ -88,7 +83,6 @@ class _OptionGroup:
     def __setattr__(self, name: str, value: Any) -> None:
         prop = getattr(type(self), name, None)
         if isinstance(prop, property) and prop.fset is not None:
-            # PopTorch's attribute form of an option (its setter validates and checks freezing)
             self._check_not_frozen(f"{name} = {value!r}")
             prop.fset(self, value)
             return
@@ -100,7 +94,6 @@ class _OptionGroup:
             f"{self._path} has no attribute {name!r} to assign; use the setter methods "
             f"(for example {self._path}.deviceIterations(4)).")
 
-    # -- copies and rollback ---------------------------------------------------
     def __deepcopy__(self, memo):
         """An independent, unfrozen copy (PopTorch's ``clone()`` and ``copy.deepcopy``)."""
         clone = type(self).__new__(type(self))
@@ -111,9 +104,7 @@ class _OptionGroup:
         return clone
 
     def __copy__(self):
-        """An independent copy (it owns its values), frozen when these options are frozen, as
-        PopTorch's ``copy.copy`` (``clone()`` unfreezes).
-        """
+        """An independent copy, frozen when these options are (PopTorch's ``copy.copy``)."""
         clone = copy.deepcopy(self)
         if self._frozen:
             clone.freeze()
@@ -136,7 +127,6 @@ class _OptionGroup:
             else:
                 object.__setattr__(self, key, state)
 
-    # -- PopTorch's key=value form ---------------------------------------------
     def _repr_items(self) -> List[Tuple[str, Any]]:
         """(name, value) pairs of ``repr``: public values, then recorded setters, then groups."""
         values = [(k, v) for k, v in self.__dict__.items()

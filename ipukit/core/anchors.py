@@ -40,8 +40,7 @@ def tensor_names(module: torch.nn.Module, training: bool) -> List[str]:
 
 
 def rows(anchor: Anchor, batching: microbatch.Batching) -> int:
-    """How many values of ``anchor`` one call records per replica: one per micro-batch
-    (gradients) or one per iteration (updated weights)."""
+    """How many values of ``anchor`` one call records per replica (per micro-batch or iteration)."""
     return batching.steps if anchor.long_name.startswith(GRADIENT) else batching.device_iterations
 
 
@@ -131,9 +130,7 @@ class AnchorRecorder:
 
     def results(self, default_mode: OutputMode, batching: microbatch.Batching,
                 default_period: int = 1) -> Dict[str, torch.Tensor]:
-        """Each anchor's value for the call, shaped by its output mode (the model's ``default_mode``
-        and ``default_period`` when it has none).
-        """
+        """Each anchor's value for the call, shaped by its output mode (else the model's)."""
         by_iteration = microbatch.Batching(batching.device_iterations, 1, 1)
         out = {}
         for anchor in self.anchors:
@@ -144,9 +141,7 @@ class AnchorRecorder:
                 values, shape = self.per_iteration, by_iteration
             if mode == OutputMode.EveryN and not microbatch.returned_steps(mode, period,
                                                                            shape.steps):
-                # a period longer than the call (check() refuses it before the call when
-                # given the batching): no value, as an empty batch of them
-                sample = values[-1][anchor.long_name]
+                sample = values[-1][anchor.long_name]  # a period longer than the call: no value
                 out[anchor.short_name] = sample.new_empty((0, *sample.shape))
                 continue
             column = [[row[anchor.long_name]] for row in values]

@@ -1,8 +1,6 @@
-"""Splitting a host call's combined batch into micro-batches, and back.
-
-A call's input holds ``deviceIterations × gradientAccumulation × replicationFactor``
-micro-batches along dimension 0, iteration-major, then accumulation step, then replica.
-:func:`split` cuts it; :func:`gather` builds the outputs the output mode returns.
+"""Splitting a call's combined batch (``deviceIterations × gradientAccumulation ×
+replicationFactor`` micro-batches along dimension 0, iteration-major, then step, then replica)
+into micro-batches with :func:`split`, and back with :func:`gather`.
 """
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ class Batching:
 
     @classmethod
     def of(cls, opts, training: bool) -> "Batching":
-        """The batching ``opts`` give a training (or inference) model: the one place Options
-        become a call's shape (inference accumulates nothing)."""
+        """The batching ``opts`` give a training (or inference: no accumulation) model."""
         return cls(opts.device_iterations,
                    opts.Training.gradient_accumulation if training else 1,
                    opts.replication_factor)
@@ -92,11 +89,8 @@ def split(flat_inputs: Sequence, batching: Batching, input_names: Sequence[str])
 
 def _join(tensors: List[torch.Tensor]) -> torch.Tensor:
     """Micro-batch outputs joined on dimension 0 (scalars stacked); one tensor is returned as it is."""
-    if len(tensors) == 1:
-        return tensors[0]
-    if tensors[0].dim() == 0:
-        return torch.stack(tensors)
-    return torch.cat(tensors, dim=0)
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors) if tensors[0].dim() == 0 \
+        else torch.cat(tensors, dim=0)
 
 
 def resolve_output_mode(mode: OutputMode, training: bool) -> OutputMode:
@@ -114,9 +108,8 @@ def check_period(mode: OutputMode, period: int, batching: Batching) -> None:
 
 
 def returned_steps(mode: OutputMode, period: int, steps: int) -> List[int]:
-    """The steps (one replica's micro-batches, in call order) whose outputs ``mode`` reads: the one
-    home of this rule. ``Final`` the last, ``EveryN`` every ``period``-th, else every step.
-    """
+    """The steps (one replica's micro-batches) whose outputs ``mode`` reads: ``Final`` the last,
+    ``EveryN`` every ``period``-th, else every step."""
     if mode == OutputMode.Final:
         return [steps - 1]
     if mode == OutputMode.EveryN:
@@ -135,33 +128,22 @@ def kept_rows(mode: OutputMode, period: int, batching: Batching) -> Optional[Fro
 
 def gather(per_microbatch: List[list], mode: OutputMode, period: int,
            batching: Batching) -> list:
-    """Combine per-micro-batch flat outputs (combined-batch order) into the call's flat outputs.
-
-    As PopTorch: ``All`` concatenates every micro-batch on dimension 0 (scalars stacked),
-    ``Final`` keeps the last step, ``EveryN`` every ``period``-th, ``Sum`` adds them; replicas
-    are concatenated. An output is batched only when the call returns more than one of it, so
-    a 0-d loss stays 0-d under ``Final`` with one replica.
-    """
-    R = batching.replicas
-    steps = batching.steps
-    n_out = len(per_microbatch[0])
+    """Combine per-micro-batch flat outputs (combined-batch order) into the call's flat outputs,
+    as PopTorch: ``All`` concatenates on dimension 0 (scalars stacked), ``Final`` keeps the last
+    step, ``EveryN`` every ``period``-th, ``Sum`` adds them; replicas are concatenated. An output
+    is batched only when the call returns more than one of it."""
+    R, steps = batching.replicas, batching.steps
     result = []
-    for j in range(n_out):
+    for j in range(len(per_microbatch[0])):
         def at(step, replica, j=j):
             return per_microbatch[step * R + replica][j]
 
         sample = at(steps - 1, R - 1)  # always kept (see kept_rows)
         if not isinstance(sample, torch.Tensor):
-            result.append(at(steps - 1, R - 1))
-            continue
-        if mode == OutputMode.All:
-            result.append(_join([at(s, r) for s in range(steps) for r in range(R)]))
-        elif mode == OutputMode.EveryN:
-            chosen = returned_steps(mode, period, steps)
-            result.append(_join([at(s, r) for s in chosen for r in range(R)]))
-        elif mode == OutputMode.Final:
-            per_replica = [at(steps - 1, r) for r in range(R)]
-            result.append(per_replica[0] if R == 1 else _join(per_replica))
+            result.append(sample)
+        elif mode in (OutputMode.All, OutputMode.EveryN, OutputMode.Final):
+            result.append(_join([at(s, r) for s in returned_steps(mode, period, steps)
+                                 for r in range(R)]))
         elif mode == OutputMode.Sum:
             per_replica = []
             for r in range(R):
@@ -169,7 +151,7 @@ def gather(per_microbatch: List[list], mode: OutputMode, period: int,
                 for s in range(1, steps):
                     total += at(s, r)
                 per_replica.append(total)
-            result.append(per_replica[0] if R == 1 else _join(per_replica))
+            result.append(_join(per_replica))
         else:  # pragma: no cover - Default is resolved before
             raise OptionsError(f"unresolved output mode {mode!r}")
     return result

@@ -1,8 +1,6 @@
-"""Block annotations: PopTorch's ``Block``, ``BeginBlock``, ``BlockFunction``.
-
-Outside an ipukit model they do nothing. While ipukit traces a model a :class:`BlockRecorder`
-maps every block entered to a (stage id, IPU) and inserts a ``pipe_split()`` marker
-wherever execution moves to another IPU: where the partition cuts the model.
+"""Block annotations: PopTorch's ``Block``, ``BeginBlock``, ``BlockFunction``. Outside an
+ipukit model they do nothing; while a model is traced a :class:`BlockRecorder` maps each block
+to a (stage id, IPU) and inserts ``pipe_split()`` wherever execution moves to another IPU.
 """
 from __future__ import annotations
 
@@ -16,9 +14,7 @@ from torch.distributed.pipelining import pipe_split
 
 from .errors import BlockError
 
-# The recorder of the trace running in this thread (or context). A ContextVar, not a
-# global behind a lock: a notebook's dashboard thread and the notebook itself can
-# record blocks at the same time without seeing each other's.
+# the recorder of the trace running in this context (threads record blocks independently)
 _recorder: "contextvars.ContextVar[Optional[BlockRecorder]]" = contextvars.ContextVar(
     "ipukit_block_recorder", default=None)
 
@@ -31,8 +27,7 @@ class Segment:
     blocks: List[str] = field(default_factory=list)
     stage_ids: List[int] = field(default_factory=list)
     recompute: bool = False  # a module in it asked for recomputation
-    #: the layers that ran before the first block: PopTorch placed them on IPU 0
-    implicit: bool = False
+    implicit: bool = False   # the layers that ran before the first block (on IPU 0)
 
 
 class BlockRecorder:
@@ -40,9 +35,7 @@ class BlockRecorder:
 
     def __init__(self, assigner, split_stages: bool = False) -> None:
         self.assigner = assigner
-        # Schedules with several stages per IPU (a loop, a V) need a cut wherever the
-        # stage changes, even on the same IPU; otherwise consecutive blocks on one IPU
-        # form one stage, PopTorch's rule.
+        # cut wherever the stage changes, even on one IPU (schedules with several stages per IPU)
         self.split_stages = split_stages
         self.segments: List[Segment] = []
         self.entered: List[str] = []
@@ -50,12 +43,9 @@ class BlockRecorder:
         self.in_block = False
         self.closed_a_block = False
         self.ops_outside: List[str] = []
-        #: the model's forward has begun (what ran before was the tracer's own work)
-        self.model_started = False
-        #: tensor operations of the model ran before its first block began (on IPU 0)
-        self.ops_before = False
-        #: operations after the last block closed stay in it (Lightning's loss in
-        #: ``training_step``, after ``forward``'s blocks); otherwise they are an error
+        self.model_started = False  # the model's forward has begun (not the tracer's own work)
+        self.ops_before = False  # the model's tensor operations ran before its first block
+        # operations after the last block stay in it (Lightning's loss), not an error
         self.keep_last_block_open = False
 
     def begin(self, user_id: Optional[str], ipu_id: Optional[int]) -> str:
@@ -64,8 +54,7 @@ class BlockRecorder:
         stage_id, ipu = self.assigner.assign(str(user_id), ipu_id)
         last = self.segments[-1] if self.segments else None
         if last is None and self.ops_before and ipu != 0:
-            # PopTorch: "by default layers are allocated onto IPU 0". What ran before the
-            # first block is an implicit block there, pipeline stage 0.
+            # PopTorch: "by default layers are allocated onto IPU 0", as pipeline stage 0
             last = Segment(0, stage_ids=[0], implicit=True)
             self.segments.append(last)
         if last is None or last.ipu != ipu or (self.split_stages and stage_id not in last.stage_ids):
@@ -83,8 +72,7 @@ class BlockRecorder:
         return user_id
 
     def push(self, user_id: Optional[str], ipu_id: Optional[int]) -> None:
-        resolved = self.begin(user_id, ipu_id)
-        self._stack.append((resolved, ipu_id))
+        self._stack.append((self.begin(user_id, ipu_id), ipu_id))
 
     def pop(self) -> None:
         if self._stack:
@@ -105,9 +93,7 @@ def active_recorder() -> Optional[BlockRecorder]:
 
 
 def note_recompute() -> None:
-    """While tracing: the stage being recorded recomputes its forward in its backward (a traced
-    stage is one graph, so a module's recomputation applies to its whole stage).
-    """
+    """While tracing: the stage being recorded (all of it) recomputes its forward in its backward."""
     recorder = _recorder.get()
     if recorder is not None and recorder.segments:
         recorder.segments[-1].recompute = True
@@ -138,28 +124,24 @@ class Block:
         self._ipu_id = ipu_id
 
     def __enter__(self) -> "Block":
-        rec = active_recorder()
-        if rec is not None:
+        if (rec := active_recorder()) is not None:
             rec.push(self._user_id, self._ipu_id)
         return self
 
     def __exit__(self, *exc) -> None:
-        rec = active_recorder()
-        if rec is not None:
+        if (rec := active_recorder()) is not None:
             rec.pop()
 
     @staticmethod
     def start(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
         """Start a block that lasts until the next block starts (no ``with`` needed)."""
-        rec = active_recorder()
-        if rec is not None:
+        if (rec := active_recorder()) is not None:
             rec.begin(user_id, ipu_id)
 
     @staticmethod
     def useAutoId() -> None:
         """Restart automatic block ids ("0", "1", ...) — call at the top of ``forward``."""
-        rec = active_recorder()
-        if rec is not None:
+        if (rec := active_recorder()) is not None:
             rec.assigner.reset_auto_id()
 
     def __repr__(self) -> str:
@@ -174,8 +156,7 @@ class _BlockHook:
         self.ipu_id = ipu_id
 
     def __call__(self, module, args) -> None:
-        rec = active_recorder()
-        if rec is not None:
+        if (rec := active_recorder()) is not None:
             if self.user_id is None:
                 self.user_id = rec.assigner.next_auto_id()
             rec.begin(self.user_id, self.ipu_id)
@@ -199,8 +180,7 @@ class _BeginBlockFunction(torch.nn.Module):
         self._hook(self, args)
         return self._layer_to_call(*args, **kwargs)
 
-    # called directly, not through Module.__call__: the block starts exactly where the
-    # function runs, with no module-call bookkeeping around it in the trace
+    # not through Module.__call__: the block starts exactly where the function runs
     __call__ = forward
 
     def extra_repr(self) -> str:
@@ -209,14 +189,9 @@ class _BeginBlockFunction(torch.nn.Module):
 
 
 def BeginBlock(layer_to_call, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
-    """Start a block whenever ``layer_to_call`` runs; returns it.
-
-    ``layer_to_call`` is a module (a forward pre-hook starts the block; the module is
-    returned) or, as PopTorch also allowed, a plain callable (returned wrapped in a module
-    that starts the block and then calls it). The annotation is part of the module: it
-    survives ``copy.deepcopy`` and ``torch.save``/``pickle``, and :func:`module_repr`
-    shows it.
-    """
+    """Start a block whenever ``layer_to_call`` runs: a module (returned, with a forward pre-hook)
+    or a plain callable (returned wrapped in a module). The annotation survives
+    ``copy.deepcopy`` and ``torch.save``, and :func:`module_repr` shows it."""
     if not isinstance(layer_to_call, torch.nn.Module):
         if callable(layer_to_call):
             return _BeginBlockFunction(layer_to_call, user_id, ipu_id)
@@ -245,21 +220,15 @@ def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None):
 
 
 def begin_blocks(module: torch.nn.Module) -> List[Tuple[torch.nn.Module, Optional[str], Optional[int]]]:
-    """ipukit: every ``BeginBlock`` annotation in ``module``, as (sub-module, user_id, ipu_id);
-    ``user_id`` is None until the module first runs inside a recording.
-    """
+    """ipukit: every ``BeginBlock`` annotation in ``module``, as (sub-module, user_id, ipu_id)
+    (``user_id`` None until the module first runs inside a recording)."""
     return [(m, h.user_id, h.ipu_id) for m in module.modules()
             for h in m._forward_pre_hooks.values() if isinstance(h, _BlockHook)]
 
 
 def module_repr(module: torch.nn.Module) -> str:
-    """``repr(module)`` with each module's forward pre-hooks written before its name.
-
-    PopTorch's ``module_repr``: torch's repr leaves hooks out, so the blocks that
-    ``BeginBlock`` added do not show; here a module annotated with
-    ``BeginBlock(m.l1, ipu_id=1)`` reads ``(l1): BeginBlock(user_id=None, ipu_id=1)
-    Linear(...)``. Everything else is laid out as torch lays it out.
-    """
+    """PopTorch's ``module_repr``: ``repr(module)`` with each module's forward pre-hooks before its
+    name, e.g. ``(l1): BeginBlock(user_id=None, ipu_id=1) Linear(...)``."""
     if not isinstance(module, torch.nn.Module):
         return repr(module)
     extra = module.extra_repr()

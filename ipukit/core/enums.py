@@ -79,8 +79,7 @@ class HalfFloatCastingBehavior(enum.IntEnum):
     Default = 2
 
 
-# PopTorch 2.0–2.3 called the output mode the "anchor" mode
-# (``Options.anchorMode(AnchorMode.All)``); the same enumeration under its old name.
+# PopTorch 2.0–2.3's name (``Options.anchorMode(AnchorMode.All)``)
 AnchorMode = OutputMode
 
 

@@ -68,19 +68,14 @@ class LossError(Error, ValueError):
 
 
 class LoaderLengthError(Error, TypeError):
-    """``len()`` of a loader whose dataset or batch sampler has no length.
-
-    A ``TypeError``, as Python's ``len()`` raises, so ``list(loader)`` still works.
-    """
+    """``len()`` of a loader whose dataset or batch sampler has no length (a ``TypeError``, as
+    Python's ``len()`` raises, so ``list(loader)`` still works)."""
 
 
 class StallError(Error):
-    """A call that made no progress for ``Options.stallTimeout`` seconds; it was stopped and undone.
-
-    The message names, per virtual IPU or process, the last action completed and what it waits
-    for, with the schedule around that point; ``stuck`` lists the workers still inside a user's
-    operation (which cannot be stopped from outside).
-    """
+    """A call that made no progress for ``Options.stallTimeout`` seconds, stopped and undone. The
+    message names each worker's last action and what it waits for; ``stuck`` lists the workers
+    still inside a user's operation (which cannot be stopped from outside)."""
 
     def __init__(self, message: str, stuck=()) -> None:
         super().__init__(message)

@@ -1,7 +1,6 @@
-"""PopTorch's in-model operations that ordinary programs use.
-
-On CPU/GPU most are identities; :func:`identity_loss` marks which output is
-the loss that backpropagation starts from.
+"""PopTorch's in-model operations: on CPU/GPU they compute the same values with ordinary
+PyTorch (most are identities), checking their arguments as PopTorch did; :func:`identity_loss`
+marks the loss that backpropagation starts from.
 """
 from __future__ import annotations
 
@@ -35,11 +34,8 @@ class LossMarks:
 
 
 def identity_loss(x: torch.Tensor, reduction: str = "none") -> torch.Tensor:
-    """Mark ``x`` as the loss: backpropagation starts from it.
-
-    ``reduction`` is ``"sum"``, ``"mean"`` or ``"none"`` (PopTorch's values).
-    Without an ``identity_loss``, the loss is the model's last output.
-    """
+    """Mark ``x`` as the loss that backpropagation starts from, reduced by ``"sum"``, ``"mean"``
+    or ``"none"``. Without one, the loss is the model's output named ``loss``, else its last."""
     if reduction == "sum":
         out = x.sum()
     elif reduction == "mean":
@@ -81,9 +77,7 @@ class running_on_ipu:
 
 
 def _in_training_step() -> bool:
-    """Whether the model step running now is a training one: told by the trace, else an eager step
-    that records gradients inside an ipukit call.
-    """
+    """Whether the step running now is a training one (as the trace says, else from autograd)."""
     training = getattr(_running, "training", None)
     if training is not None:
         return training
@@ -99,12 +93,9 @@ def _inference_only(op: str, instead: str) -> None:
 
 
 def ipu_print_tensor(tensor: torch.Tensor, title: str = "", *args, **kwargs) -> torch.Tensor:
-    """Prints ``title: tensor`` to standard error each time it runs, and returns ``tensor``.
-
-    In a model split into several stages (traced), it prints nothing: the
-    printing is not part of the traced step.
-    """
-    if not torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+    """Prints ``title: tensor`` to standard error each time it runs (not in a traced, multi-stage
+    model), and returns ``tensor``."""
+    if not _tracing():
         print(f"{title}: {tensor}" if title else str(tensor), file=sys.stderr, flush=True)
     return tensor
 
@@ -123,12 +114,6 @@ def set_available_memory(tensor: torch.Tensor, available_memory_proportion: floa
     """Identity (an IPU tile-memory hint)."""
     return tensor
 
-
-# -- PopTorch's other in-model operations --------------------------------------
-# On an IPU these steered the graph compiler (memory plans, host-transfer
-# overlap, on-device control flow). Off the IPU each computes the same values
-# with ordinary PyTorch operations, so a model that uses them runs unchanged,
-# inside a pipeline stage too. Arguments are still checked, as PopTorch did.
 
 def _tensor_arg(op: str, name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
@@ -164,12 +149,8 @@ def _tracing() -> bool:
 
 def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode,
                      factor: int = 0, keep_precision: bool = False) -> torch.Tensor:
-    """``torch.matmul(lhs, rhs)``.
-
-    PopTorch computed the product as ``factor`` smaller ones, one after the
-    other, to save IPU memory; the result is the same. ``factor`` must divide
-    the dimension ``mode`` names, as in PopTorch.
-    """
+    """``torch.matmul(lhs, rhs)`` (PopTorch computed it as ``factor`` smaller products to save
+    IPU memory); ``factor`` must divide the dimension ``mode`` names, as in PopTorch."""
     if not isinstance(mode, MatMulSerializationMode):
         raise OperationError(f"ipukit.serializedMatMul: mode={mode!r} must be a "
                              "MatMulSerializationMode (e.g. MatMulSerializationMode.ReducingDim).")
@@ -192,8 +173,7 @@ def _overlap(op: str, tensors, mode):
     if not isinstance(mode, OverlapMode):
         raise OperationError(f"ipukit.{op}: mode={mode!r} must be an OverlapMode "
                              "(e.g. OverlapMode.OverlapAccumulationLoop).")
-    leaves = pytree.tree_leaves(tensors)
-    for leaf in leaves:
+    for leaf in pytree.tree_leaves(tensors):
         _tensor_arg(op, "every element", leaf)
     return tensors
 
@@ -209,11 +189,8 @@ def set_overlap_for_output(output_tensors, mode: OverlapMode):
 
 
 def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Runs ``body`` ``count`` times, each iteration's outputs the next one's inputs.
-
-    A Python loop here (unrolled when a stage is traced); ``body`` takes as many tensors as it
-    returns, by value. As in PopTorch, a training model refuses it.
-    """
+    """Runs ``body`` ``count`` times, each iteration's outputs the next one's inputs (a Python
+    loop, unrolled when traced); as in PopTorch, a training model refuses it."""
     if not isinstance(inputs, list):
         raise OperationError(
             "poptorch.for_loop expects input tensors (inputs) to be a list of tensors. "
@@ -244,11 +221,8 @@ def for_loop(count: int, body: Callable, inputs: List[torch.Tensor]) -> List[tor
 def cond(condition: torch.Tensor, then_body: Callable, then_inps: List[torch.Tensor],
          else_body: Callable, else_inps: List[torch.Tensor]) -> List[torch.Tensor]:
     """``then_body(*then_inps)`` if ``condition`` else ``else_body(*else_inps)``, as a list.
-
-    Eagerly only the chosen branch runs; traced, both run and ``torch.where`` picks each output
-    (same values, gradients only through the chosen branch). The branches return the same number
-    of tensors of matching shapes. As in PopTorch, a training model refuses it.
-    """
+    Traced, both branches run and ``torch.where`` picks each output (same values and gradients);
+    as in PopTorch, a training model refuses it."""
     for name, value in (("then_inps", then_inps), ("else_inps", else_inps)):
         if not isinstance(value, list):
             raise OperationError(
@@ -289,11 +263,8 @@ def _check_in_range(op: str, index: torch.Tensor, length: int) -> None:
 
 def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
                   step: int) -> torch.Tensor:
-    """``tensor[start:start + size:step]`` along ``dim``, with ``start`` a tensor.
-
-    The slice's extent (``size``) and ``step`` are constants; its position
-    is data, so one traced step serves every start.
-    """
+    """``tensor[start:start + size:step]`` along ``dim``, with ``start`` a tensor (data, so one
+    traced step serves every start)."""
     _tensor_arg("dynamic_slice", "tensor", tensor)
     _tensor_arg("dynamic_slice", "start", start)
     _int_arg("dynamic_slice", "dim", dim)
@@ -343,12 +314,17 @@ class CPU:
         return self._layer_to_call(*args, **kwargs)
 
 
-class MultiConv:
-    """Context manager grouping convolutions (an IPU planning hint; no effect).
+class _Scope:
+    def __enter__(self):
+        return self
 
-    The setters check their values and chain, as PopTorch's did; a value may
-    be one setting for every convolution or a list with one per convolution.
-    """
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class MultiConv(_Scope):
+    """Context manager grouping convolutions (an IPU planning hint; no effect). Its setters check
+    and chain as PopTorch's; a value is one setting for all convolutions or a list, one each."""
 
     def __init__(self) -> None:
         self.settings: dict = {}
@@ -389,26 +365,14 @@ class MultiConv:
                          lambda v: isinstance(v, (int, float)) and 0.0 <= v <= 1.0,
                          "a number between 0.0 and 1.0")
 
-    def __enter__(self) -> "MultiConv":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-class NameScope:
+class NameScope(_Scope):
     """Context manager naming the operations inside it (for IPU profiles; no effect)."""
 
     def __init__(self, name: str):
         if not isinstance(name, str):
             raise OperationError(f"ipukit.NameScope({name!r}): the name must be a string.")
         self.name = name
-
-    def __enter__(self) -> "NameScope":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def custom_op(inputs, name: str, domain: str, domain_version: int, example_outputs,

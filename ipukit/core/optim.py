@@ -1,14 +1,11 @@
-"""PopTorch's optimisers: torch.optim's, accepting PopTorch's extra arguments.
-
-The extra arguments are recorded in ``optimizer.ipu_arguments``. As in PopTorch,
-``loss_scaling`` multiplies the loss for the backward pass and divides the gradients before
-the step, ``accum_type`` is the type half-precision gradients accumulate in (default
-float32), and ``max_grad_norm`` clips the global gradient norm; half-precision weights are
-always updated in float32 with float32 state; ``velocity_scaling`` and the ``*_accum_type``
-arguments are recorded only. Every optimiser here is an :class:`Optimizer` (PopTorch's base
-class): its ``state_dict()`` carries ``"ipu_state"`` and ``"ipu_param"`` under PopART's names
-beside torch's entries, and each has ``variable_attrs`` (:class:`VariableAttributes`).
-Plain ``torch.optim`` optimisers work with ipukit models too.
+"""PopTorch's optimisers: torch.optim's, accepting PopTorch's extra arguments (recorded in
+``optimizer.ipu_arguments``). ``loss_scaling`` multiplies the loss for the backward pass and
+divides the gradients before the step, ``accum_type`` is the type half-precision gradients
+accumulate in (default float32), ``max_grad_norm`` clips the global gradient norm;
+``velocity_scaling`` and the other ``*_accum_type`` are recorded only. Each is an
+:class:`Optimizer` whose ``state_dict()`` adds ``"ipu_state"`` and ``"ipu_param"`` under
+PopART's names, with ``variable_attrs`` (:class:`VariableAttributes`). Plain ``torch.optim``
+optimisers work with ipukit models too.
 """
 from __future__ import annotations
 
@@ -21,9 +18,9 @@ import torch
 from .errors import OptionsError
 
 _IPU_ONLY = ("loss_scaling", "velocity_scaling", "use_combined_accum", "accum_type",
-             "velocity_accum_type",
-             "first_order_momentum_accum_type", "second_order_momentum_accum_type",
-             "max_grad_norm", "use_tf_variant", "max_weight_norm")
+             "velocity_accum_type", "first_order_momentum_accum_type",
+             "second_order_momentum_accum_type", "max_grad_norm", "use_tf_variant",
+             "max_weight_norm")
 
 
 def _split(kwargs: Dict[str, Any]):
@@ -33,12 +30,9 @@ def _split(kwargs: Dict[str, Any]):
 
 
 class VariableAttributes:
-    """Which of an optimiser's attributes are variable and which constant (PopTorch's class).
-
-    The constructor's arguments start variable, the others constant; ``markAsConstant`` /
-    ``markAsVariable`` change that. ipukit compiles no optimiser, so every attribute can change
-    between calls (``setOptimizer``); the marks are kept for code that reads them.
-    """
+    """Which of an optimiser's attributes are variable and which constant (PopTorch's class):
+    the constructor's arguments start variable. ipukit compiles no optimiser, so every attribute
+    can change between calls (``setOptimizer``); the marks are kept for code that reads them."""
 
     def __init__(self, variable_attributes: List[str], allowed_attributes: List[str]) -> None:
         self._variable_attributes = list(variable_attributes)
@@ -71,16 +65,13 @@ class VariableAttributes:
                 f"allowed={self._allowed_attributes})")
 
 
-#: torch's per-parameter state keys -> PopART's prefixes in ``"ipu_state"``
-#: (``Accl1___<parameter>`` is Adam's first moment, as PopTorch named it); each
-#: optimiser class may give its own table (``_ipu_state_prefixes``).
+#: torch's per-parameter state keys -> PopART's prefixes in ``"ipu_state"`` (``Accl1___<param>``)
 _ADAM_STATE = {"exp_avg": "Accl1", "exp_avg_sq": "Accl2", "max_exp_avg_sq": "Accl3",
                "step": "Step"}
 _RMSPROP_STATE = {"square_avg": "Accl1", "grad_avg": "Accl2", "momentum_buffer": "Accl3",
                   "step": "Step"}
 _SGD_STATE = {"momentum_buffer": "Accl1"}
-#: hyperparameters of a param group -> PopART's names in ``"ipu_param"``
-#: (``learningRate___specific___<parameter>``); betas give beta1 and beta2.
+#: param group hyperparameters -> PopART's names in ``"ipu_param"`` (``<name>___specific___<p>``)
 _PARAM_NAMES = {"lr": "learningRate", "weight_decay": "weightDecay", "momentum": "momentum",
                 "dampening": "dampening", "eps": "eps", "alpha": "alpha",
                 "max_weight_norm": "maxWeightNorm", "betas": ("beta1", "beta2")}
@@ -88,14 +79,11 @@ _LOSS_SCALING = "lossScaling_FLOAT"
 
 
 class Optimizer:
-    """PopTorch's base class of its optimisers (``poptorch.optim.Optimizer``).
-
-    Mixed in before a ``torch.optim`` optimiser (``class Mine(ipukit.optim.Optimizer,
-    torch.optim.SGD)``). ``state_dict()`` adds ``"ipu_state"`` (state tensors under PopART's
-    names, e.g. ``Accl1___fc.weight``) and ``"ipu_param"`` (hyperparameters per parameter),
-    None until known; ``load_state_dict`` accepts only such a dictionary and applies those
-    values over torch's entries.
-    """
+    """PopTorch's base class of its optimisers, mixed in before a ``torch.optim`` one
+    (``class Mine(ipukit.optim.Optimizer, torch.optim.SGD)``). ``state_dict()`` adds
+    ``"ipu_state"`` (state under PopART's names, e.g. ``Accl1___fc.weight``) and ``"ipu_param"``
+    (hyperparameters per parameter), None until known; ``load_state_dict`` accepts only such a
+    dictionary."""
 
     _ipu_state_prefixes: Dict[str, str] = _ADAM_STATE
 
@@ -108,12 +96,10 @@ class Optimizer:
         self._ipu_names: Optional[List[str]] = None
         self._ipu_pending: Optional[Tuple[dict, dict]] = None
         self._ipu_used = False  # stepped once: PopTorch's state dict had IPU state from then on
-        # PopTorch's flags: an ipukit optimiser's state lives in one place, so
-        # they only say whether a state dict was loaded since the last use
+        # PopTorch's flags: here they only say whether a state dict was loaded since the last use
         self.ipu_state_is_dirty = False
         self.host_state_is_dirty = False
 
-    # -- PopTorch's interface -------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return self.get_state_dict()
 
@@ -168,8 +154,7 @@ class Optimizer:
             raise OptionsError(f"Optimizer.load_state_dict: {exc} (the dictionary must come "
                                "from this kind of optimiser over the same parameter groups, "
                                "as optimizer.state_dict() returns it).") from exc
-        # entries named after parameters this optimiser cannot name yet: applied once a
-        # model names them (bind_parameter_names), as PopTorch uploaded them at compile
+        # entries naming parameters not named yet: applied by bind_parameter_names
         self._ipu_pending = unresolved if getattr(self, "_ipu_names", None) is None and (
             unresolved[0] or unresolved[1]) else None
         self.ipu_state_is_dirty = True
@@ -184,9 +169,7 @@ class Optimizer:
         self._ipu_used = True
         return super().step(*args, **kwargs)
 
-    def __getstate__(self):
-        # torch.optim keeps only defaults, state and param_groups; copies and pickles
-        # keep the parameters' names and PopTorch's flags too
+    def __getstate__(self):  # copies and pickles keep the names and PopTorch's flags too
         state = super().__getstate__()
         for name in ("_ipu_names", "_ipu_pending", "_ipu_used", "ipu_state_is_dirty",
                      "host_state_is_dirty"):
@@ -194,7 +177,6 @@ class Optimizer:
                 state[name] = self.__dict__[name]
         return state
 
-    # -- ipukit: naming -----------------------------------------------------------------
     def bind_parameter_names(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]]
                              ) -> None:
         """Name this optimiser's parameters (a model's ``named_parameters()``) in
@@ -251,14 +233,10 @@ class Optimizer:
         return float((getattr(self, "ipu_arguments", None) or {}).get("loss_scaling", 1.0))
 
     def _group_values(self, ipu_param: dict) -> Dict[Tuple[int, str], float]:
-        """``ipu_param``'s hyperparameters per (group, key); conflicting values in one group
-        are refused (ipukit's hyperparameters are per param group, as torch's)."""
+        """``ipu_param``'s hyperparameters per (group, key); conflicts in one group are refused."""
         names = self._names()
         params = self._flat_params()
-        group_of = {}
-        for g, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                group_of[id(p)] = g
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         by_name = {n: group_of[id(p)] for n, p in zip(names, params)}
         wanted: Dict[Tuple[int, str], Tuple[float, str]] = {}
         for key, value in ipu_param.items():
@@ -324,24 +302,19 @@ class Optimizer:
 
 
 def _same(current: Any, loaded: float) -> bool:
-    """Whether a loaded hyperparameter is the current one (``"ipu_param"`` holds float32
-    tensors: a value read back unchanged keeps its full precision)."""
+    """Whether a loaded hyperparameter is the current one (``"ipu_param"`` holds float32)."""
     if isinstance(current, bool) or not isinstance(current, (int, float)):
         return False
     return current == loaded or float(torch.tensor(current, dtype=torch.float32)) == loaded
 
 
-def _variable_attrs(optimizer, given: Dict[str, Any], extra: Tuple[str, ...] = ()) -> None:
-    """PopTorch's rule: the arguments given are variable; the optimiser's defaults and
-    ``loss_scaling`` may be marked."""
-    variables = [k for k, v in given.items() if v is not None]
-    optimizer.variable_attrs = VariableAttributes(
-        variables, list(optimizer.defaults) + list(extra) + ["loss_scaling"])
-
-
 class _IpuArguments(Optimizer):
-    def _init_ipu(self, ipu: Dict[str, Any]) -> None:
+    def _init_ipu(self, ipu: Dict[str, Any], given: Dict[str, Any],
+                  extra: Tuple[str, ...] = ()) -> None:
+        """Check and record PopTorch's arguments in ``ipu``; the arguments ``given`` become
+        variable (PopTorch's rule: the defaults, ``extra`` and ``loss_scaling`` may be marked)."""
         self._reset_ipu()
+        ipu = _split(ipu)[1]
         scaling = ipu.get("loss_scaling", 1.0)
         if not isinstance(scaling, (int, float)) or not 0 < scaling < math.inf:
             raise OptionsError(f"{type(self).__name__}(loss_scaling={scaling!r}): expected a "
@@ -357,6 +330,9 @@ class _IpuArguments(Optimizer):
         self.ipu_arguments = dict(ipu)
         norm = ipu.get("max_grad_norm", math.inf)
         self.max_grad_norm = math.inf if norm is None else float(norm)
+        self.variable_attrs = VariableAttributes(
+            [k for k, v in given.items() if v is not None],
+            list(self.defaults) + list(extra) + ["loss_scaling"])
 
     @property
     def loss_scaling(self) -> float:
@@ -371,8 +347,7 @@ class _IpuArguments(Optimizer):
                                "positive number.")
         self.ipu_arguments["loss_scaling"] = value
 
-    def __getstate__(self):
-        # copies and pickles keep PopTorch's arguments too
+    def __getstate__(self):  # copies and pickles keep PopTorch's arguments too
         state = super().__getstate__()
         for name, value in self.__dict__.items():
             if not name.startswith("_") and name not in state:
@@ -390,6 +365,16 @@ class _IpuArguments(Optimizer):
         return super().step(closure)
 
 
+def _moments(state: dict, p: torch.Tensor, grad: torch.Tensor, betas, step0) -> Tuple:
+    """Adam's first and second moments of ``p``, updated with ``grad``."""
+    if not state:
+        state.update(step=step0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    state["step"] += 1
+    state["exp_avg"].lerp_(grad, 1 - betas[0])
+    state["exp_avg_sq"].mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+    return state["exp_avg"], state["exp_avg_sq"]
+
+
 class SGD(_IpuArguments, torch.optim.SGD):
     """``torch.optim.SGD`` (+ ``loss_scaling``, ``velocity_scaling``, ``use_combined_accum``, ``max_grad_norm``)."""
 
@@ -397,15 +382,11 @@ class SGD(_IpuArguments, torch.optim.SGD):
 
     def __init__(self, params, lr=None, momentum=None, dampening=None, weight_decay=None,
                  nesterov=None, maximize=None, foreach=None, differentiable=None, **ipu) -> None:
-        kw, extra = _split(dict(lr=lr, momentum=momentum, dampening=dampening,
-                                weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                                foreach=foreach, differentiable=differentiable, **ipu))
-        torch.optim.SGD.__init__(self, params, **kw)
-        self._init_ipu(extra)
-        _variable_attrs(self, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                   weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                                   foreach=foreach, differentiable=differentiable, **ipu),
-                        ("velocity_scaling",) if ipu.get("use_combined_accum") else ())
+        given = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                     nesterov=nesterov, maximize=maximize, foreach=foreach,
+                     differentiable=differentiable, **ipu)
+        torch.optim.SGD.__init__(self, params, **_split(given)[0])
+        self._init_ipu(ipu, given, ("velocity_scaling",) if ipu.get("use_combined_accum") else ())
 
 
 class _BiasCorrection:
@@ -417,18 +398,15 @@ class _BiasCorrection:
     def __init__(self, params, lr=None, betas=None, eps=None, weight_decay=None, amsgrad=None,
                  foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
                  bias_correction=None, **ipu) -> None:
-        kw, extra = _split(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                amsgrad=amsgrad, foreach=foreach, maximize=maximize,
-                                capturable=capturable, differentiable=differentiable, fused=fused,
-                                **ipu))
-        self._torch_class.__init__(self, params, **kw)
-        self._init_ipu(extra)
+        given = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        self._torch_class.__init__(self, params, **_split(dict(
+            given, foreach=foreach, maximize=maximize, capturable=capturable,
+            differentiable=differentiable, fused=fused, **ipu))[0])
+        self._init_ipu(ipu, dict(given, bias_correction=bias_correction, **ipu))
         self.bias_correction = True if bias_correction is None else bool(bias_correction)
         if not self.bias_correction and any(g.get("amsgrad") for g in self.param_groups):
             raise OptionsError(f"{type(self).__name__}(bias_correction=False, amsgrad=True): "
                                "ipukit implements bias_correction=False without amsgrad only.")
-        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   amsgrad=amsgrad, bias_correction=bias_correction, **ipu))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -440,25 +418,17 @@ class _BiasCorrection:
                 loss = closure()
         self._clip()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 grad = p.grad if group.get("maximize") is not True else -p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
                 if decay and self._decoupled_weight_decay:
                     p.mul_(1 - lr * decay)
                 elif decay:
                     grad = grad + decay * p
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                p.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(eps), value=-lr)
+                m, v = _moments(self.state[p], p, grad, group["betas"], torch.tensor(0.0))
+                p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
         return loss
 
 
@@ -488,13 +458,11 @@ class RMSprop(_IpuArguments, torch.optim.RMSprop):
             raise OptionsError("ipukit.optim.RMSprop(use_tf_variant=True) is not supported: "
                                "ipukit uses torch.optim.RMSprop's update rule. Leave "
                                "use_tf_variant unset (False).")
-        kw, extra = _split(dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                                momentum=momentum, centered=centered, foreach=foreach,
-                                maximize=maximize, differentiable=differentiable, **ipu))
-        torch.optim.RMSprop.__init__(self, params, **kw)
-        self._init_ipu(extra)
-        _variable_attrs(self, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                                   momentum=momentum, centered=centered, **ipu))
+        given = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                     centered=centered)
+        torch.optim.RMSprop.__init__(self, params, **_split(dict(
+            given, foreach=foreach, maximize=maximize, differentiable=differentiable, **ipu))[0])
+        self._init_ipu(ipu, dict(given, **ipu))
 
 
 class _Lamb(torch.optim.Optimizer):
@@ -512,14 +480,7 @@ class _Lamb(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.lerp_(p.grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m, v = _moments(state, p, p.grad, group["betas"], 0)
                 t = state["step"]
                 m_hat, v_hat = ((m / (1 - beta1 ** t), v / (1 - beta2 ** t))
                                 if self.bias_correction else (m, v))
@@ -535,11 +496,10 @@ class _Lamb(torch.optim.Optimizer):
 class LAMB(_IpuArguments, _Lamb):
     """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning"), PopTorch's form.
 
-    Per parameter tensor: Adam's moments (bias-corrected unless
-    ``bias_correction=False``) give ``u = m / (sqrt(v) + eps) + weight_decay * w``;
-    the step is ``w -= lr * trust * u`` with ``trust = min(|w|, max_weight_norm) / |u|``
-    (1 when either norm is 0). PopTorch's defaults: ``lr=1e-3``,
-    ``betas=(0.9, 0.999)``, ``eps=1e-8``, ``weight_decay=1e-2``,
+    Per parameter tensor: Adam's moments (bias-corrected unless ``bias_correction=False``) give
+    ``u = m / (sqrt(v) + eps) + weight_decay * w``; the step is ``w -= lr * trust * u`` with
+    ``trust = min(|w|, max_weight_norm) / |u|`` (1 when either norm is 0). PopTorch's defaults:
+    ``lr=1e-3``, ``betas=(0.9, 0.999)``, ``eps=1e-8``, ``weight_decay=1e-2``,
     ``max_weight_norm=65500``.
     """
 
@@ -562,8 +522,6 @@ class LAMB(_IpuArguments, _Lamb):
             raise TypeError(f"LAMB.__init__() got unexpected keyword argument(s) {unknown}")
         torch.optim.Optimizer.__init__(self, params, defaults)
         self.bias_correction = True if bias_correction is None else bool(bias_correction)
-        self._init_ipu(_split(ipu)[1])
-        _variable_attrs(self, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                   bias_correction=bias_correction,
-                                   max_weight_norm=max_weight_norm, **ipu))
-
+        self._init_ipu(ipu, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 bias_correction=bias_correction,
+                                 max_weight_norm=max_weight_norm, **ipu))

@@ -23,6 +23,8 @@ from .strategies import PipelinedExecution, ShardedExecution
 SCHEDULES = SCHEDULE_TITLES
 #: seconds without any completed action before a call is stopped (Options.stallTimeout)
 DEFAULT_STALL_TIMEOUT = 30.0
+_IPUKIT_FIELDS = ("pipeline_schedule", "device_mapping", "cpu_threads_per_ipu", "record_timeline",
+                  "profile_dir", "track_memory", "stall_timeout", "model_name")
 
 
 class TensorLocationSettings(_OptionGroup):
@@ -139,12 +141,8 @@ class _TrainingOptions(_OptionGroup):
         return self
 
     def setMeanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
-        """When a Mean reduction divides (PopTorch's ``Running``, ``Post`` or ``PostAndLoss``).
-
-        Recorded and readable as ``meanAccumulationAndReplicationReductionStrategy``;
-        ipukit always divides once, after accumulating in float32, which gives
-        the values of every strategy.
-        """
+        """When a Mean reduction divides (``Running``, ``Post``, ``PostAndLoss``); recorded only:
+        ipukit divides once after accumulating in float32, which gives every strategy's values."""
         name = "meanAccumulationAndReplicationReductionStrategy"
         self._check_not_frozen(f"setMeanAccumulationAndReplicationReductionStrategy({strategy!r})")
         if not isinstance(strategy, MeanReductionStrategy):
@@ -158,16 +156,14 @@ class _TrainingOptions(_OptionGroup):
 
     @property
     def meanAccumulationAndReplicationReductionStrategy(self) -> MeanReductionStrategy:  # noqa: N802
-        """PopTorch's attribute form: read it, or assign a :class:`~ipukit.MeanReductionStrategy`
-        (default ``Post``)."""
+        """PopTorch's attribute form (default ``MeanReductionStrategy.Post``)."""
         return self._mean_reduction_strategy
 
     @meanAccumulationAndReplicationReductionStrategy.setter
     def meanAccumulationAndReplicationReductionStrategy(self, strategy: MeanReductionStrategy):
         self.setMeanAccumulationAndReplicationReductionStrategy(strategy)
 
-    def _repr_items(self):
-        # the strategy shows once, under PopTorch's attribute name
+    def _repr_items(self):  # the strategy shows once, under PopTorch's attribute name
         return [(k, v) for k, v in super()._repr_items()
                 if k != "setMeanAccumulationAndReplicationReductionStrategy"]
 
@@ -210,13 +206,9 @@ class _PopartOptions(_IgnoredGroup):
 
 
 class _DistributedOptions(_IgnoredGroup):
-    """PopTorch's ``Options.Distributed``: which process of a multi-process run this is.
-
-    PopTorch read PopRun's variables; ipukit reads torchrun's (``WORLD_SIZE`` and
-    ``RANK``) when the options are created, so a script launched with
-    ``ipukit-run``/``torchrun`` runs on :mod:`ipukit.distributed` unchanged.
-    ``disable()`` runs this process on its own (threads), whatever the launcher said.
-    """
+    """PopTorch's ``Options.Distributed``: which process of a multi-process run this is, read
+    from torchrun's ``WORLD_SIZE`` and ``RANK`` (PopTorch read PopRun's) so a script launched
+    with ``ipukit-run``/``torchrun`` runs on :mod:`ipukit.distributed` unchanged."""
 
     _path = "Options.Distributed"
     _setters = ("IPUoFConfigFiles",)
@@ -299,15 +291,8 @@ class Options(_IgnoredGroup):
       torchrun (``configureProcessId``, ``setEnvVarNames``, ``disable()``).
     * ``opts.Precision``, ``opts.Jit`` and ``opts._Popart``: accepted, no effect.
 
-    PopTorch's setters: ``deviceIterations``, ``replicationFactor``, ``outputMode``,
-    ``setExecutionStrategy``, ``randomSeed``, ``connectionType``, ``broadcastBuffers``,
-    ``anchorTensor``, ``modelName``, ``logDir``; ``clone()``, ``toDict()``,
-    ``from_json()`` and ``loadFromFile()`` (PopTorch's config files).
-
-    ipukit's additions: ``pipelineSchedule`` (``"1F1B"``, ``"GPipe"``,
-    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBH1"``, ``"ZBV"``, ``"DualPipeV"``),
-    ``deviceMapping``, ``cpuThreadsPerIpu``, ``recordTimeline``, ``profileDir``,
-    ``trackMemory``, ``stallTimeout``.
+    ipukit's additions: ``pipelineSchedule``, ``deviceMapping``, ``cpuThreadsPerIpu``,
+    ``recordTimeline``, ``profileDir``, ``trackMemory``, ``stallTimeout``.
 
     Accepted for compatibility with **no effect** (recorded under ``"ignored"`` in
     ``toDict()``): ``enableExecutableCaching``, ``useIpuModel``, ``autoRoundNumIPUs``,
@@ -331,7 +316,7 @@ class Options(_IgnoredGroup):
         "relaxOptimizerAttributesChecks", "disableModuleNamescope",
         "enableProgressBar", "useIpuModelVersion",
     )
-    _setters = _ignored_setters  # what _IgnoredGroup answers for
+    _setters = _ignored_setters
 
     def __init__(self) -> None:
         super().__init__()
@@ -363,7 +348,6 @@ class Options(_IgnoredGroup):
         if defaults:  # PopTorch applied these JSON settings to every new Options()
             self.from_json(defaults)
 
-    # -- helpers -----------------------------------------------------------
     @property
     def execution_strategy(self) -> PipelinedExecution:
         return self._execution_strategy
@@ -379,11 +363,7 @@ class Options(_IgnoredGroup):
                 * self.Training.gradient_accumulation)
 
     def clone(self) -> "Options":
-        """A modifiable deep copy (never frozen), as ``copy.deepcopy`` gives.
-
-        Every setting is copied (anchors, strategy, groups, ``log_dir``, the
-        setters recorded as ignored) and the copy is independent of the original.
-        """
+        """An independent, modifiable deep copy of every setting (never frozen)."""
         return copy.deepcopy(self)
 
     def _all_or_nothing(self, apply) -> "Options":
@@ -397,16 +377,10 @@ class Options(_IgnoredGroup):
         return self
 
     def loadFromFile(self, filepath: str) -> "Options":
-        """Apply a PopTorch config file: one setter per line, without ``options.``.
-
-        ``deviceIterations(32)``, ``Training.gradientAccumulation(4)``,
-        ``outputMode(poptorch.OutputMode.All)``,
-        ``setExecutionStrategy(poptorch.ShardedExecution())``; ``#`` comments.
-        Later files and lines override earlier ones. Arguments are literals, enum
-        values and PopTorch's option objects (``PipelinedExecution``,
-        ``ShardedExecution``, ``Stage(...).ipu(n)``, ``TensorLocationSettings()...``):
-        the file is parsed, not executed. A file with an error changes nothing.
-        """
+        """Apply a PopTorch config file: one setter per line without ``options.``
+        (``Training.gradientAccumulation(4)``), ``#`` comments; later lines override earlier.
+        Arguments are literals, enums and PopTorch's option objects; the file is parsed, not
+        executed, and a file with an error changes nothing."""
         from .options_config import apply_lines
 
         self._check_not_frozen(f"loadFromFile({filepath!r})")
@@ -416,11 +390,8 @@ class Options(_IgnoredGroup):
             self, lines, filepath, {"TensorLocationSettings": TensorLocationSettings}))
 
     def from_json(self, string: str) -> "Options":
-        """Apply ``{"name.of.setter": value}`` pairs, e.g. ``'{"deviceIterations": 4}'``.
-
-        A list value is passed as several arguments; ``"OutputMode.All"``-style
-        strings become enum values. A string with an error changes nothing.
-        """
+        """Apply ``{"name.of.setter": value}`` pairs (a list is several arguments,
+        ``"OutputMode.All"`` an enum value); a string with an error changes nothing."""
         from .options_config import apply_json
 
         return self._all_or_nothing(lambda: apply_json(self, string))
@@ -439,16 +410,7 @@ class Options(_IgnoredGroup):
             "execution_strategy": self._execution_strategy._to_dict(),
             "Training": self.Training.toDict(),
             "TensorLocations": self.TensorLocations.toDict(),
-            "ipukit": {
-                "pipeline_schedule": self.pipeline_schedule,
-                "device_mapping": self.device_mapping,
-                "cpu_threads_per_ipu": self.cpu_threads_per_ipu,
-                "record_timeline": self.record_timeline,
-                "profile_dir": self.profile_dir,
-                "track_memory": self.track_memory,
-                "stall_timeout": self.stall_timeout,
-                "model_name": self.model_name,
-            },
+            "ipukit": {k: getattr(self, k) for k in _IPUKIT_FIELDS},
             "anchored_tensors": {
                 a.short_name: [a.long_name, None if a.output_mode is None else a.output_mode.name,
                                a.output_return_period]
@@ -470,20 +432,13 @@ class Options(_IgnoredGroup):
             "output_mode", "output_return_period", "connection_type", "random_seed",
             "broadcast_buffers")]
         items += [("execution_strategy", self._execution_strategy)]
-        items += [(k, getattr(self, k)) for k in (
-            "pipeline_schedule", "device_mapping", "cpu_threads_per_ipu", "record_timeline",
-            "profile_dir", "track_memory", "stall_timeout", "model_name")]
+        items += [(k, getattr(self, k)) for k in _IPUKIT_FIELDS]
         items += list(self._ignored.items())
         return items + sorted((k, v) for k, v in self.__dict__.items()
                               if isinstance(v, _OptionGroup))
 
-    # ``str(options)`` and ``repr(options)``: PopTorch's ``Options(key=value, ...)`` form
-    # (the base class writes it from _repr_items).
-
     def logDir(self, log_dir: str) -> "Options":
-        """Where PopTorch wrote its log files (default ``"."``); recorded in ``log_dir``.
-
-        ipukit writes no log files there (see :meth:`profileDir` for profiles)."""
+        """Where PopTorch wrote its log files (default ``"."``); recorded, ipukit writes none."""
         self._check_not_frozen(f"logDir({log_dir!r})")
         if isinstance(log_dir, os.PathLike):
             log_dir = os.fspath(log_dir)
@@ -492,8 +447,6 @@ class Options(_IgnoredGroup):
                                f"{str}: pass a directory path, e.g. opts.logDir('logs').")
         self.log_dir = log_dir
         return self
-
-    # -- PopTorch's setters ----------------------------------------------------
 
     def deviceIterations(self, device_iterations: int) -> "Options":
         """Iterations (optimiser steps when training) per model call."""
@@ -523,8 +476,7 @@ class Options(_IgnoredGroup):
                     "(return the outputs of every N-th micro-batch).")
             self.output_return_period = _positive_int("Options", "outputMode(output_return_period)",
                                                       output_return_period)
-        elif output_return_period is not None:
-            # PopTorch ignores the period for other modes; so do we.
+        elif output_return_period is not None:  # PopTorch ignores it for other modes
             self.output_return_period = 1
         self.output_mode = output_mode
         return self
@@ -533,9 +485,8 @@ class Options(_IgnoredGroup):
         """True while the output mode is still ``Default``."""
         return self.output_mode == OutputMode.Default
 
-    # PopTorch 2.0-2.3 called the output mode the "anchor" mode.
     def anchorMode(self, anchor_mode: OutputMode, anchor_return_period: Optional[int] = None):
-        """The older name of :meth:`outputMode` (``AnchorMode`` is ``OutputMode``)."""
+        """PopTorch 2.0-2.3's name of :meth:`outputMode`."""
         return self.outputMode(anchor_mode, anchor_return_period)
 
     def defaultAnchorMode(self) -> bool:
@@ -568,25 +519,14 @@ class Options(_IgnoredGroup):
         return self._ignore("sourceLocationExcludes", list(excludes))
 
     def appendToLocationExcludes(self, *excludes: str) -> "Options":
-        """Accepted (PopTorch filtered IR source locations; ipukit prints no IR)."""
         previous = self._ignored.get("sourceLocationExcludes", [])
         return self._ignore("sourceLocationExcludes", list(previous) + list(excludes))
 
-    # -- ipukit's setters (and PopTorch's anchored tensors) -------------------
-
     def pipelineSchedule(self, schedule: str) -> "Options":
-        """ipukit: the training schedule of a pipelined model (see :mod:`ipukit.schedules`).
-
-        ``"1F1B"`` (the default) runs, in the steady state, one forward then one
-        backward on each IPU, as PopART did; ``"GPipe"`` runs all forwards of an
-        accumulation window, then all backwards. ``"Interleaved1F1B"`` and
-        ``"LoopedBFS"`` run several stages per IPU placed in a loop
-        (stage s on IPU s mod P); ``"ZBH1"`` splits each backward into an
-        input-gradient and a weight-gradient action and fills the bubble with the
-        latter; ``"ZBV"`` and ``"DualPipeV"`` do so with two stages per IPU placed
-        in a V (IPU i holds stages i and 2P−1−i). torch.distributed.pipelining's
-        names (``"interleaved-1f1b"``, ``"ZBVZeroBubble"``…) are accepted too.
-        """
+        """ipukit: a pipelined model's training schedule: ``"1F1B"`` (default, as PopART),
+        ``"GPipe"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBH1"``, ``"ZBV"`` or
+        ``"DualPipeV"`` (see :mod:`ipukit.schedules`); torch.distributed.pipelining's names
+        (``"interleaved-1f1b"``, ``"ZBVZeroBubble"``...) are accepted too."""
         self._check_not_frozen(f"pipelineSchedule({schedule!r})")
         kind = kind_of(schedule) if isinstance(schedule, str) else None
         if kind is None and isinstance(schedule, str):
@@ -599,11 +539,8 @@ class Options(_IgnoredGroup):
                            f"{list(SCHEDULES)}.")
 
     def deviceMapping(self, devices: Union[Sequence[Union[str, torch.device]], Dict[int, Any]]):
-        """ipukit: the torch device of each virtual IPU.
-
-        A list gives the device of IPU 0, 1, ...; IPUs beyond its end wrap
-        around. The default is the CUDA devices round-robin when present, else CPU.
-        """
+        """ipukit: the torch device of IPU 0, 1, ... (wrapping around); default the CUDA
+        devices round-robin when present, else CPU."""
         self._check_not_frozen(f"deviceMapping({devices!r})")
         if isinstance(devices, dict):
             n = max(devices) + 1 if devices else 0
@@ -615,11 +552,8 @@ class Options(_IgnoredGroup):
         return self
 
     def cpuThreadsPerIpu(self, threads: Optional[int]) -> "Options":
-        """ipukit: intra-op CPU threads of each virtual-IPU worker.
-
-        ``None`` (default) divides the machine's cores among the workers that
-        run at once, so pipelined stages do not oversubscribe the CPU.
-        """
+        """ipukit: intra-op CPU threads of each virtual-IPU worker; ``None`` (default) divides
+        the cores among the workers that run at once."""
         self._check_not_frozen(f"cpuThreadsPerIpu({threads!r})")
         if threads is not None:
             threads = _positive_int("Options", "cpuThreadsPerIpu", threads)
@@ -648,10 +582,9 @@ class Options(_IgnoredGroup):
         return self
 
     def trackMemory(self, enabled: bool = True) -> "Options":
-        """ipukit: measure every call's memory per virtual IPU (``Timeline.memory``, the
-        profile's counters, :func:`ipukit.viz.memory.measured_memory`), as inside
-        ``with ipukit.track_memory():``. Off by default: a tracked call takes markedly
-        longer (every operation goes through a Python hook)."""
+        """ipukit: measure every call's memory per virtual IPU (``Timeline.memory``,
+        :func:`ipukit.viz.memory.measured_memory`), as ``with ipukit.track_memory():``; off
+        by default, as every operation then goes through a Python hook."""
         self._check_not_frozen(f"trackMemory({enabled!r})")
         if not isinstance(enabled, bool):
             raise OptionsError(f"trackMemory({enabled!r}): expected True or False.")
@@ -659,16 +592,10 @@ class Options(_IgnoredGroup):
         return self
 
     def stallTimeout(self, seconds: Optional[float]) -> "Options":
-        """ipukit: stop a call in which no action completed anywhere for ``seconds``.
-
-        A watchdog measures progress (time since the last forward or backward
-        completed on any virtual IPU, replica or process), never a call's total
-        time, so a slow call that keeps progressing is never stopped. A stalled
-        call is stopped and undone and raises :class:`~ipukit.core.errors.StallError`
-        naming what each stage waits for. ``None`` or ``0`` disables it; default
-        30 s. A call that runs on the calling thread alone (sharded execution, one
-        stage, one replica) has no one to wait for and is not watched.
-        """
+        """ipukit: stop and undo a call in which no action completed anywhere for ``seconds``
+        (default 30; ``None`` or ``0`` disables), raising :class:`~ipukit.core.errors.StallError`
+        naming what each stage waits for. Progress is watched, never total time; a call on
+        the calling thread alone is not watched."""
         self._check_not_frozen(f"stallTimeout({seconds!r})")
         if seconds is not None and (isinstance(seconds, bool)
                                     or not isinstance(seconds, (int, float))
@@ -683,12 +610,8 @@ class Options(_IgnoredGroup):
                      output_mode: Optional[OutputMode] = None,
                      output_return_period: Optional[int] = 1) -> "Options":
         """Return an internal tensor after each call: ``model.getAnchoredTensor(short_name)``.
-
-        ``long_name`` is PopART's name: ``Gradient___<parameter>`` (each
-        micro-batch's gradient) or ``UpdatedVar___<parameter>`` (the weight after
-        each step), for the wrapped module's ``named_parameters()``. The output
-        mode defaults to the model's own (see :mod:`ipukit.anchors`).
-        """
+        ``long_name`` is PopART's ``Gradient___<parameter>`` or ``UpdatedVar___<parameter>``;
+        the output mode defaults to the model's own (see :mod:`ipukit.anchors`)."""
         self._check_not_frozen(f"anchorTensor({short_name!r}, {long_name!r})")
         if not isinstance(short_name, str) or not isinstance(long_name, str):
             raise OptionsError(f"Options.anchorTensor({short_name!r}, {long_name!r}): "

@@ -1,10 +1,6 @@
-"""Options from text: PopTorch's config files (``Options.loadFromFile``) and JSON.
-
-One setter call per line as in Python without ``options.`` (``deviceIterations(10)``,
-``Training.gradientAccumulation(4)``, ``setExecutionStrategy(poptorch.ShardedExecution())``);
-``#`` starts a comment. PopTorch ``exec``-ed the file; ipukit parses each line and accepts
-only literals, enum names and PopTorch's option objects (:data:`OBJECTS`), so a config file
-cannot run other code.
+"""Options from text: PopTorch's config files (``Options.loadFromFile``: one setter call per
+line without ``options.``, ``#`` comments) and JSON. PopTorch ``exec``-ed the file; ipukit
+parses it, accepting only literals, enum names and PopTorch's option objects (:data:`OBJECTS`).
 """
 from __future__ import annotations
 
@@ -108,9 +104,8 @@ _HOW = ("Write one setter call per line without the 'options.' prefix, e.g. "
 
 def apply_lines(options, lines: Sequence[str], source: str,
                 objects: Optional[Dict[str, Callable]] = None) -> None:
-    """Apply setter calls, one per line, to ``options``; every line is parsed before any is applied,
-    so an error changes nothing. ``objects`` adds option classes a line may build.
-    """
+    """Apply setter calls, one per line, to ``options`` (all parsed first); ``objects`` adds option
+    classes a line may build."""
     known = dict(OBJECTS, **(objects or {}))
     filename = os.path.basename(source)
     parsed = []

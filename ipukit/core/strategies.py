@@ -1,9 +1,6 @@
-"""Execution strategies: how blocks are grouped into stages and placed on IPUs.
-
-PopTorch's rules: a :class:`Stage` groups blocks and may pin them to an IPU; without explicit
-stages :class:`~ipukit.AutoStage` gives each block its stage id; a pipeline stage starts
-whenever execution moves to another IPU. The classes only *describe* the grouping; blocks
-apply it while the model is traced, and the partition splits the trace.
+"""Execution strategies: how blocks are grouped into stages and placed on IPUs, PopTorch's way
+(a :class:`Stage` groups blocks and may pin them to an IPU; without stages
+:class:`~ipukit.AutoStage` gives each block its stage id). Blocks apply them while tracing.
 """
 from __future__ import annotations
 
@@ -67,13 +64,9 @@ class PipelinedExecution:
             self._auto_stage = args[0]
             return
         for stage_id, arg in enumerate(args):
-            if isinstance(arg, Stage):
-                stage = arg
-            elif isinstance(arg, str):
-                stage = Stage(arg)
-            elif isinstance(arg, (list, tuple)):
-                stage = Stage(*arg)
-            else:
+            stage = (arg if isinstance(arg, Stage) else Stage(arg) if isinstance(arg, str)
+                     else Stage(*arg) if isinstance(arg, (list, tuple)) else None)
+            if stage is None:
                 raise OptionsError(
                     f"{type(self).__name__}: argument {stage_id} is {arg!r}; pass Stage "
                     "objects, block ids (str), lists of block ids, or one AutoStage value.")
@@ -149,10 +142,7 @@ class Phase(_PhasedExecution):
 
 
 class StageAssigner:
-    """Maps each block entered during tracing to (stage id, ipu), PopTorch's way.
-
-    One assigner is used per trace; it remembers automatic ids and stage ids.
-    """
+    """Maps each block entered during one trace to (stage id, ipu), PopTorch's way."""
 
     def __init__(self, strategy: PipelinedExecution) -> None:
         self.strategy = strategy
@@ -178,11 +168,8 @@ class StageAssigner:
                     f"{strategy!r} lists no Stage for it. Add {user_id!r} to a Stage, "
                     f"or rename the block to one of {list(strategy._block_map)}.")
             stage = strategy._block_map[user_id]
-            stage_id = stage._stage_id
             ipu = stage._ipu if stage._ipu is not None else ipu_id
-            if ipu is None:
-                ipu = stage_id
-            return stage_id, ipu
+            return stage._stage_id, stage._stage_id if ipu is None else ipu
         if user_id not in self._auto_map:
             if strategy._auto_stage == AutoStage.SameAsIpu:
                 if ipu_id is None:
@@ -197,5 +184,4 @@ class StageAssigner:
                 self._auto_map[user_id] = self._next_stage_id
                 self._next_stage_id += 1
         stage_id = self._auto_map[user_id]
-        ipu = ipu_id if ipu_id is not None else stage_id
-        return stage_id, ipu
+        return stage_id, stage_id if ipu_id is None else ipu_id
