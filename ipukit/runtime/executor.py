@@ -55,9 +55,7 @@ def worker_cores(workers: int) -> Optional[List[int]]:
     if not hasattr(os, "sched_setaffinity") or os.environ.get("IPUKIT_PIN_WORKERS") == "0":
         return None
     cores = sorted(os.sched_getaffinity(0))
-    if workers <= len(cores):
-        return None
-    return [cores[i % len(cores)] for i in range(workers)]
+    return None if workers <= len(cores) else [cores[i % len(cores)] for i in range(workers)]
 
 
 def pin_this_thread(core: Optional[int]) -> None:
@@ -92,10 +90,7 @@ class CallRunner:
                  replicas: int, optimizer=None, clock_origin: Optional[float] = None,
                  call_index: int = 0, anchors=None, keep_rows=None,
                  stall_timeout: Optional[float] = None) -> None:
-        self.plan = plan
-        self.schedule = schedule
-        self.replicas = replicas
-        self.optimizer = optimizer
+        self.plan, self.schedule, self.replicas, self.optimizer = plan, schedule, replicas, optimizer
         self.anchors = anchors  # an anchors.AnchorRecorder when tensors are anchored
         self.t0 = time.perf_counter() if clock_origin is None else clock_origin
         self.call_index = call_index
@@ -130,10 +125,8 @@ class CallRunner:
 
     @contextlib.contextmanager
     def host_threads(self):
-        """While the calling thread does the host's work of a call with worker threads, it runs with a
-        worker's intra-op threads (so its OpenMP regions do not compete with the workers), and gets
-        its own back after.
-        """
+        """The calling thread's host work runs at a worker's intra-op thread count (its OpenMP
+        regions do not compete with the workers), restored after."""
         if self.threads_each is None:
             yield
             return
@@ -243,7 +236,6 @@ class CallRunner:
         lanes = len(schedule.lanes)
         per_worker: List[List[Event]] = [[] for _ in range(self.workers)]
         self.events.extend(per_worker)
-
         pins = worker_cores(self.workers)
 
         def work(index: int) -> None:
@@ -339,8 +331,7 @@ class CallRunner:
         where = "virtual IPU" + (" or replica" if self.replicas > 1 else "")
         text = stall.message(self.stall_timeout, where, lanes, stall.cause_of(lanes, find))
         error = StallError(text)
-        error.lanes = lanes
-        error.iteration = iteration
+        error.lanes, error.iteration = lanes, iteration
         return error
 
     def _describe_wait(self, key: tuple):

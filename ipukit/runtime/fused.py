@@ -50,8 +50,7 @@ class FusedBackward:
         span = stash.pop(("span", a.stage) + key, None)
         if span is not None:
             return span
-        runner = self.runner
-        plan = runner.plan
+        runner, plan = self.runner, self.runner.plan
         n = plan.partition.num_stages
         outs = {s: stash.pop((s,) + key)[1] for s in range(n)}
         start = time.perf_counter()
@@ -83,7 +82,6 @@ class FusedBackward:
         if self.grads_in_params:
             for p in self.params:
                 p.grad = None
-
 
 
 _ACTION_BY_ACTION = threading.local()
@@ -202,8 +200,7 @@ class Chain:
         fused, plan = runner.fused, runner.plan
         devices = {plan.device_of(s) for s in range(plan.partition.num_stages)}
         return (fused is not None and fused.grads_in_params and schedule.chained
-                and not by_action()
-                and memory is None and plan.training
+                and not by_action() and memory is None and plan.training
                 and not (plan.record and any(d.type == "cuda" for d in devices)
                          and len(devices) > 1))
 
@@ -219,8 +216,7 @@ class Chain:
     def run(self, actions) -> None:
         """Run a chained lane's actions (see :meth:`fits`), noting what :func:`chain_events`
         needs."""
-        runner = self.runner
-        plan = runner.plan
+        runner, plan = self.runner, self.runner.plan
         n, stages, record, marks = self.n, self.stages, self.record, self.marks
         progress = runner.progress
         runner.running[0] = (actions, progress[0], 0)

@@ -125,8 +125,7 @@ class CallMemory:
         part → tensors its runtime keeps for that IPU between calls besides the stages'
         weights (with stages as processes: torch's receive buffers), counted in its baseline
         and not held on to (that would keep alive what the runtime drops during the call)."""
-        self.plan = plan
-        self.optimizer = optimizer
+        self.plan, self.optimizer = plan, optimizer
         self.t0 = time.perf_counter() if t0 is None else t0
         self.lock = threading.RLock()   # a release (a weakref callback) may come from GC inside
         self.live: Dict[int, list] = {}      # storage key -> [weakref, bytes, [tracks]]
@@ -155,9 +154,8 @@ class CallMemory:
     # -- what each IPU holds before the call -----------------------------------------------
     def _start(self, track: _Track, ipus, kept: Optional[Dict[str, list]] = None) -> None:
         self._baseline(track, ipus, kept or {})
-        now = time.perf_counter() - self.t0
+        track.peak_time = now = time.perf_counter() - self.t0
         track.baseline = track.peak = track.level
-        track.peak_time = now
         track.samples = [(now, track.level)]   # one sample for the whole baseline
 
     def _stages_of(self, ipus) -> list:
@@ -213,8 +211,7 @@ class CallMemory:
         """Count ``nbytes`` on ``track`` until ``obj`` is freed (lock held)."""
         entry = self.live.get(key)
         if entry is None:
-            entry = [weakref.ref(obj, self._released(key)), nbytes, []]
-            self.live[key] = entry
+            entry = self.live[key] = [weakref.ref(obj, self._released(key)), nbytes, []]
         nbytes = entry[1]
         entry[2].append(track)
         track.held[key] = nbytes
@@ -333,9 +330,7 @@ class CallMemory:
     # -- the result ------------------------------------------------------------------------
     def finish(self) -> List[MemoryTrack]:
         """The tracks, as the timeline keeps them; storages still alive stay counted as ``end``."""
-        allocator = {}
-        for d in self.cuda:   # pragma: no cover - GPU only (untested: no GPU here)
-            allocator[d] = int(torch.cuda.max_memory_allocated(d))
+        allocator = {d: int(torch.cuda.max_memory_allocated(d)) for d in self.cuda}
         rss = (self.rss_before, peak_rss()) if self.rss_before is not None else None
         out = []
         with self.lock:
@@ -383,8 +378,7 @@ def coalesce(samples: List[Tuple[float, int]], keep: Optional[float] = None,
             return
         top = max(bucket, key=lambda s: s[1])
         peak = [s for s in bucket if keep is not None and s[0] == keep]
-        chosen = sorted({top, bucket[-1], *peak})
-        out.extend(chosen)
+        out.extend(sorted({top, bucket[-1], *peak}))
         bucket.clear()
 
     for s in samples[1:]:
@@ -418,6 +412,3 @@ def _mode_class():
 
         cls = _MODE["cls"] = _Counting
     return cls
-
-
-# -- each stage's passes in isolation: the memory model's transients ------------------------

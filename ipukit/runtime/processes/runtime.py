@@ -85,10 +85,6 @@ def _compiled(model) -> Compiled:
                     input_names=list(program.input_names), program=program)
 
 
-def _is_compiled(model) -> bool:
-    return model.program is not None
-
-
 def _compile(model, args, kwargs) -> None:
     """Compile ``model`` for one process's share of a call (the inputs repeated once per replica,
     since the model compiles for the whole run's batching).
@@ -155,17 +151,14 @@ class _Layout:
 
         part = c.partition
         ipus = part.ipus
-        self.world = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.pp = len(ipus)
-        self.dp = c.batching.replicas
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.pp, self.dp = len(ipus), c.batching.replicas
         self.replica, self.pp_rank = divmod(self.rank, self.pp)
         self.ipu = ipus[self.pp_rank]
         self.device = device_for(c.options, self.ipu)
         mesh = init_device_mesh("cuda" if self.device.type == "cuda" else "cpu",
                                 (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
-        self.pp_group = mesh.get_group("pp")
-        self.dp_group = mesh.get_group("dp")
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.mine = [st.index for st in part.stages if st.ipu == self.ipu]
         self.stage_rank = {st.index: ipus.index(st.ipu) for st in part.stages}
         self.lanes = process_lanes(c.schedule, ipus)
@@ -245,8 +238,7 @@ class _Recorder:
         return None if self.last is None else self.last()
 
     def _build(self, parts: Callable[[], list], samples: int, call: int) -> Timeline:
-        c, lay = self.compiled, self.layout
-        parts = parts()
+        c, lay, parts = self.compiled, self.layout, parts()
         start = min(p[1] for p in parts)
         events = [e._replace(start=e.start - start, end=e.end - start)
                   for p in parts for e in p[0]]
@@ -293,8 +285,9 @@ class _Runtime:
         self.M = c.schedule.micro_batches
         steps = self.M * c.schedule.iterations
         self.recorder = _Recorder(c, lay)
-        self.ctx = CallContext(_returned_micro_batches(c.output_mode, c.output_period, steps),
-                               self.recorder.span, self.recorder.start)
+        chosen = set(microbatch.returned_steps(c.output_mode, c.output_period, steps))
+        self.ctx = CallContext([k in chosen for k in range(steps)], self.recorder.span,
+                               self.recorder.start)
         carry = carry_plan(part)
         n = part.num_stages
         stage_cls = timed_stage_class()
@@ -386,8 +379,7 @@ class _Runtime:
         t_call = rec.now()
         rec.events = []
         ctx.rows = {}
-        M = self.M
-        last = c.schedule.iterations - 1
+        M, last = self.M, c.schedule.iterations - 1
         memory = self._memory(micro)
         with torch.enable_grad() if c.training else torch.no_grad():
             for it in range(last + 1):
@@ -400,12 +392,9 @@ class _Runtime:
                 # torch's runtime runs every action of this process on this thread
                 with (contextlib.nullcontext() if memory is None
                       else memory.thread(lay.replica, lay.ipu)):
-                    if c.training:
-                        self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
-                                         target_mbs=[self._target] * M, return_outputs=False)
-                    else:
-                        self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
-                                         return_outputs=False)
+                    target = {"target_mbs": [self._target] * M} if c.training else {}
+                    self.runner.step(arg_mbs=[()] * M, kwarg_mbs=[{}] * M,
+                                     return_outputs=False, **target)
                 if it == last:  # the replica's rows travel while the optimiser steps
                     rows_of_replica = self.exchange.start(ctx.rows)
                 if c.training:
@@ -467,9 +456,8 @@ def idle_point(lane: Sequence) -> Optional[Tuple[int, int]]:
 def _call_outputs(c: Compiled, rows: Dict[int, Dict[int, Any]], micro: List[list],
                   returned: List[bool], local: microbatch.Batching):
     """The call's outputs in the model's structure, from the stages' rows (per micro-batch)."""
-    part = c.partition
+    part, table = c.partition, []
     n_out = len(part.outputs)
-    table = []
     for k in range(len(micro)):
         row = [None] * n_out
         if not returned[k]:  # gather() never reads it: any placeholder will do
@@ -485,12 +473,6 @@ def _call_outputs(c: Compiled, rows: Dict[int, Dict[int, Any]], micro: List[list
         table.append(row)
     flat_out = microbatch.gather(table, c.output_mode, c.output_period, local)
     return pytree.tree_unflatten(flat_out, part.out_spec)
-
-
-def _returned_micro_batches(mode, period: int, steps: int) -> List[bool]:
-    """Which micro-batches' outputs the output mode returns (only those are gathered)."""
-    chosen = set(microbatch.returned_steps(mode, period, steps))
-    return [k in chosen for k in range(steps)]
 
 
 def _short(value: Any) -> str:
@@ -533,8 +515,8 @@ def maybe_run(model, args: tuple, kwargs: dict):
     started = time.time()
     try:
         ensure_process_group(opts)
-        if rt is None or not _is_compiled(model):
-            if not _is_compiled(model):
+        if rt is None or model.program is None:
+            if model.program is None:
                 _compile(model, args, kwargs)
             need = expected_processes(model)
             if need != opts.Distributed.numProcesses:
@@ -574,10 +556,9 @@ def maybe_run(model, args: tuple, kwargs: dict):
                                        "process's error above.")
                 err._peer = True
                 raise err from exc
-        rank = opts.Distributed.processId
         note_failure(exc)
         if hasattr(exc, "add_note"):
-            exc.add_note(f"(ipukit: raised by process {rank} of {opts.Distributed.numProcesses})")
+            exc.add_note(f"(ipukit: raised by process {opts.Distributed.processId} of {opts.Distributed.numProcesses})")
         raise
 
 
