@@ -1,7 +1,6 @@
 """The calibrated cost model: laws it keeps on its own inputs, and calibrate() itself."""
 import dataclasses
 import random
-import subprocess
 import sys
 import threading
 
@@ -283,29 +282,32 @@ def test_an_implausible_step_is_timed_again_and_marked_if_it_stays(monkeypatch):
     assert any("optimiser step" in u for u in t.uncertain)
 
 
-def test_a_calibration_beside_busy_processes_is_close_or_marked_uncertain():
-    """A busy process on each core: every block's cost within 25 % of a quiet
-    calibration's, or the table marked uncertain (and so every figure from it)."""
-    from ipukit.examples.mnist import Network, TrainingModelWithLoss
-    from ipukit.timeline.simulate import available_cores
+def test_a_calibration_that_got_little_of_its_cores_is_measured_again_and_marked_busy(monkeypatch):
+    """Under :data:`BUSY_SHARE` of its cores' time the blocks are measured once more and, if
+    the share stays low, the table is marked uncertain, and so is every figure from it.
+    (How far a busy machine moves the costs is a benchmark's question, not a law.)"""
+    import time as real_time
+    calibration = sys.modules["ipukit.calibrate"]
+    runs = []
+    real = calibration.measure_split_blocks
+    monkeypatch.setattr(calibration, "measure_split_blocks",
+                        lambda *a, **k: runs.append(1) or real(*a, **k))
 
-    torch.manual_seed(0)
-    net = TrainingModelWithLoss(Network())
-    batch = (torch.randn(40, 1, 28, 28), torch.randint(0, 10, (40,)))
-    quiet = ipukit.calibrate(net, batch, cache=False)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(available_cores())]
-    try:
-        loaded = ipukit.calibrate(net, batch, cache=False)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
-    close = all(abs(a - b) <= 0.25 * b for a, b in zip(loaded.forward + loaded.backward,
-                                                       quiet.forward + quiet.backward))
-    assert close or loaded.uncertain or quiet.uncertain
-    notes = model_call(loaded, "1f1b", even_split(loaded.blocks, 2), 8).meta["notes"]
-    assert bool(loaded.uncertain) == any("uncertain calibration" in n for n in notes)
+    class Starved:                  # the process's CPU time runs at a tenth of the wall clock
+        perf_counter = staticmethod(real_time.perf_counter)
+
+        @staticmethod
+        def process_time():
+            return real_time.perf_counter() / 10
+
+    monkeypatch.setattr(calibration, "time", Starved)
+    t = ipukit.calibrate(StackNet(num_blocks=2, width=16), make_data(8, width=16),
+                         repeats=3, cache=False)
+    assert len(runs) == 2
+    assert any("machine was busy" in u for u in t.uncertain)
+    assert float(t.notes["cpu_share"]) < calibration.BUSY_SHARE
+    notes = model_call(t, "1f1b", even_split(t.blocks, 2), 8).meta["notes"]
+    assert any("uncertain calibration" in n and "busy" in n for n in notes)
 
 
 

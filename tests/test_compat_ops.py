@@ -347,7 +347,7 @@ def test_model_methods_for_ipu_measurements_fail_clearly():
     with pytest.raises(poptorch.Error, match="has not been compiled"):
         model.compilationTime()
     model(torch.ones(1, 2))
-    assert 0 < model.compilationTime().total_seconds() < 60
+    assert model.compilationTime().total_seconds() > 0
     model.copyNamedBuffersToDevice()
     for name in ("getPerfCounters", "getLatency", "cycleCount"):
         with pytest.raises(poptorch.UnsupportedError, match=rf"{name}\(\).*getTimeline"):

@@ -1,6 +1,5 @@
 """The schedule model: textbook utilisation, dependencies, core limits, modeling measured runs."""
 import random
-import time
 from collections import defaultdict
 
 import pytest
@@ -84,12 +83,6 @@ def test_modeled_timelines_respect_the_schedule(kind):
                          step_cost=0.4, transfer_cost=0.1, iterations=2, replicas=2)
     check_respects_schedule(tl)
     assert len(tl.device_events()) == 2 * len(build(kind, N, M, 2).actions())
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 # -- a CPU with few cores --------------------------------------------------------------------
