@@ -22,9 +22,10 @@ if [ "$paths" = 0 ]; then
   set -- tests notebooks "$@"
 fi
 # Test files run side by side in IPUKIT_TEST_WORKERS processes (pytest-xdist; 0: one process),
-# each file whole in one of them (notebook cells in order, the browser tests' one server).
+# each file whole in one of them (notebook cells in order, the browser tests' one server),
+# in the order tests/conftest.py gives them (the longest first).
 workers=${IPUKIT_TEST_WORKERS:-2}
 if [ "$workers" != 0 ]; then
-  set -- -n "$workers" --dist loadfile "$@"
+  set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
 exec .venv/bin/python -m pytest --nbval-lax -p no:cacheprovider "$@"

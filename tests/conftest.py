@@ -37,13 +37,30 @@ def _cpu_unless_gpu_marked(request, monkeypatch):
     yield
 
 
+#: the files that take longest: they start first (./test.sh keeps this order across its
+#: workers, ``--no-loadscope-reorder``), so that the workers finish together
+LONGEST_FIRST = ("browser/test_notebooks_in_lab.py", "browser/test_lessons_in_lab.py",
+                 "browser/test_scaling_in_lab.py", "test_notebooks_loaded.py", "test_widgets.py",
+                 "test_distributed.py", "test_packaging.py", "test_script.py",
+                 "test_benchmarks_smoke.py")
+
+
+def _rank(item) -> int:
+    path = str(item.fspath).replace(os.sep, "/")
+    return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("/tests/" + name)),
+                len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``processes`` run ipukit's process runtime, which needs a newer torch
+    """The longest files first (a stable sort: each file's tests keep their order).
+
+    Tests marked ``processes`` run ipukit's process runtime, which needs a newer torch
     than its threads (``PROCESS_RUNTIME_TORCH``); tests marked ``needs("module", ...)`` an
     optional module (an extra). Where either is missing they are skipped, saying why, so
     that the suite runs as far as it can on, e.g., a GPU machine's preinstalled torch 2.11."""
     from ipukit.runtime.processes.group import PROCESS_RUNTIME_TORCH, torch_release
 
+    items.sort(key=_rank)
     old = torch_release() < PROCESS_RUNTIME_TORCH
     wanted = ".".join(map(str, PROCESS_RUNTIME_TORCH))
     for item in items:

@@ -1,6 +1,6 @@
 """Notebooks 01 and 02 on a busy machine, as a learner's laptop often is (quick mode).
 
-A busy process runs on each core while each notebook runs whole. Then:
+A busy process runs on each core while the two notebooks run whole, side by side. Then:
 
 * every cell ran, so the notebook's own checks held under that load;
 * every modeled speed-up a cell printed stands at or below the bound printed beside it (a
@@ -11,6 +11,7 @@ A busy process runs on each core while each notebook runs whole. Then:
   of its cores' time. (A busy process per core leaves the calibration about
   cores ÷ (cores + 1) of a core: below the guard on 2 cores, not necessarily on more.)
 """
+import asyncio
 import os
 import re
 import subprocess
@@ -28,8 +29,9 @@ MODELED = re.compile(r"modeled[^:\n]*: ([0-9.]+)× \(bound ([0-9.]+)×")
 CHECKS = "application/vnd.ipukit.check+json"     # what a notebook's checks display
 
 
-def _run_loaded(name, tmp_path):
-    """Run notebook ``name`` in quick mode beside a busy process per core; its printed text."""
+def _run_loaded(names, tmp_path):
+    """Run the notebooks ``names`` side by side in quick mode, beside a busy process per
+    core; for each, its printed text and what its checks displayed."""
     env = dict(os.environ, IPUKIT_QUICK="1", TMPDIR=str(tmp_path))
     env.setdefault("IPUKIT_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
     # each in a session of its own, as another program on a laptop is: the kernel is one too
@@ -38,28 +40,38 @@ def _run_loaded(name, tmp_path):
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
             for _ in range(os.cpu_count() or 2)]
     saved = dict(os.environ)
-    os.environ.update(env)          # the kernel inherits this process's environment
+    os.environ.update(env)          # the kernels inherit this process's environment
     try:
-        nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-        nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                                resources={"metadata": {"path": NOTEBOOKS}}).execute()
+        books = [nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4) for name in names]
+        clients = [nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                                           resources={"metadata": {"path": NOTEBOOKS}})
+                   for nb in books]
+
+        async def run_all():
+            await asyncio.gather(*(c.async_execute() for c in clients))
+
+        asyncio.run(run_all())
     finally:
         os.environ.clear()
         os.environ.update(saved)
         for p in busy:
             p.kill()
             p.wait()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    checks = {}
-    for o in outputs:
-        checks.update(o.get("data", {}).get(CHECKS, {}))
-    return "\n".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream"), checks
+    found = []
+    for nb in books:
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        checks = {}
+        for o in outputs:
+            checks.update(o.get("data", {}).get(CHECKS, {}))
+        found.append(("\n".join(o.get("text", "") for o in outputs
+                                if o.get("output_type") == "stream"), checks))
+    return found
 
 
 @pytest.mark.timeout(1200)
 def test_01_and_02_hold_their_checks_and_bounds_on_a_busy_machine(tmp_path):
-    walkthrough, _ = _run_loaded("01_pipelining_walkthrough.ipynb", tmp_path)
-    _, explorer = _run_loaded("02_pipeline_explorer.ipynb", tmp_path)
+    (walkthrough, _), (_, explorer) = _run_loaded(
+        ["01_pipelining_walkthrough.ipynb", "02_pipeline_explorer.ipynb"], tmp_path)
 
     modeled = [(float(r), float(b)) for r, b in MODELED.findall(walkthrough)]
     assert modeled, "no modeled speed-up printed beside its bound"

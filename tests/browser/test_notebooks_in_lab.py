@@ -42,6 +42,8 @@ SCALING = ["06_scaling_out.ipynb", "07_costs_of_pipelining.ipynb", "08_plan_fit_
 HERE = [n for n in NAMES if n not in LESSONS + SCALING]
 DOCS = ROOT / "docs"
 DOCS_MAX_BYTES = 256 * 1024      # the explorer with its speed-first summary: 216 KB
+#: an executed notebook saved from JupyterLab: its outputs (figures as plotly JSON), no widget state
+SAVED_MAX_BYTES = 4 * 1024 * 1024
 
 # -- code run in a notebook's kernel after the notebook ran (no cell is added) --------------
 
@@ -470,6 +472,14 @@ def run_and_check(notebooks, name: str) -> None:
         errors = nb.widget_errors()
         assert not errors, f"{len(errors)} widget errors: {errors}"
 
+    def saved_copy_is_small():
+        """Saved as a learner saves it (JupyterLab's own save, its default settings: widget
+        state is not stored), the executed notebook stays small."""
+        nb.js("await panel.context.save();")
+        size = (Path(notebooks.lab["root"]) / name).stat().st_size
+        assert size <= SAVED_MAX_BYTES, f"the saved copy is {size / 1e6:.1f} MB"
+        return size
+
     try:
         check("cell errors", no_errors)
         check("cells run", all_cells_ran)
@@ -478,9 +488,10 @@ def run_and_check(notebooks, name: str) -> None:
         check("figures", check_figures, nb)
         if name in SPECIFIC:
             check("checks displayed", lambda: SPECIFIC[name](nb, nb.plots()))
+        check("saved copy", saved_copy_is_small)
         assert not failures, f"{name}: {len(failures)} checks failed\n" + "\n".join(failures)
         print(f"{name}: {found['cells run']} code cells, {found['widget views']} widgets, "
-              f"{found['figures']} figures checked")
+              f"{found['figures']} figures checked, saved copy {found['saved copy']} bytes")
     finally:
         # the first rich output in view, for the artefact
         rich = nb.node.locator(".js-plotly-plot, .jupyter-widgets")
