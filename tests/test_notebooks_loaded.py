@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -50,7 +51,10 @@ def _run_loaded(names, tmp_path):
         async def run_all():
             await asyncio.gather(*(c.async_execute() for c in clients))
 
-        asyncio.run(run_all())
+        # an event loop of its own, in a thread: an earlier test may have left one running here
+        # (Playwright's), and asyncio.run refuses to start inside it
+        with ThreadPoolExecutor(1) as thread:
+            thread.submit(asyncio.run, run_all()).result()
     finally:
         os.environ.clear()
         os.environ.update(saved)
