@@ -59,6 +59,7 @@ class Dashboard:
         self._boxes = {n: W.Box([self.figures[n]], layout=W.Layout(width=f"{w + 10}px"))
                        for n, (_, w) in sizes.items()}
         self._modeled: Dict[str, go.Figure] = {}
+        self._shown: tuple = (None, None, None)      # the modeled view, rows and title drawn
         box = self._boxes
         self.modeled_box = W.VBox([
             W.HTML("<h3>Modeled — updates as you move a control (no training)</h3>"),
@@ -86,17 +87,22 @@ class Dashboard:
         title = view.title + (" — PopTorch rejects this configuration" if rejected else "")
         if view.drawn_note:
             title += f" ({view.drawn_note})"
-        figures = {
-            "modeled timeline": plots.timeline_figure(view.drawn, title=title,
-                                                      show_micro_batches=True),
-            "modeled utilisation": plots.utilisation_figure(
-                view.timeline, title="Utilisation per virtual IPU")}
+        # a verdict on the view already drawn redraws only what the verdict changes
+        again = view is self._shown[0] and rows is self._shown[1]
+        figures = {}
+        if not again or title != self._shown[2]:
+            figures["modeled timeline"] = plots.timeline_figure(view.drawn, title=title,
+                                                                show_micro_batches=True)
+        if not again:
+            figures["modeled utilisation"] = plots.utilisation_figure(
+                view.timeline, title="Utilisation per virtual IPU")
         if probe is not None and probe.report is not None:
             figures["memory"] = plots.memory_figure(probe.report)
-        if rows:
+        if rows and not again:
             figures["schedules"] = plots.schedule_comparison_figure(
                 [r.to_dict() for r in rows], selected=view.config.schedule,
                 title=f"Every schedule on these stages — modeled ({view.cost_source})")
+        self._shown = (view, rows, title)
         self._draw(figures, self._modeled)
         self.summary.value = logic.format_summary(view)
 
