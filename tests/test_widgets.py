@@ -354,6 +354,24 @@ def explorer():
     ex.close()
 
 
+def test_a_verdict_on_the_drawn_view_redraws_only_what_it_changes(explorer):
+    """ipukit's verdict arrives after the view is drawn: it redraws the memory figure, and the
+    timeline's title when it rejects; the utilisation and every-schedule figures stay."""
+    import dataclasses
+
+    d, m = explorer.dashboard, explorer.modeler
+    accepted = explorer.probe_result                    # waits for the verdict
+    kept = {n: d.figures[n].data[0] for n in ("modeled utilisation", "schedules")}
+    d.show_modeled(m.view, dataclasses.replace(accepted, error="boom"), m.rows)
+    assert all(d.figures[n].data[0] is trace for n, trace in kept.items())
+    assert d.figures["modeled timeline"].layout.title.text.startswith(
+        m.view.title + " — PopTorch rejects this configuration")
+    d.show_modeled(m.view, accepted, m.rows)
+    assert "rejects" not in d.figures["modeled timeline"].layout.title.text
+    explorer.set(gradient_accumulation=16)               # a new view: every figure again
+    assert all(d.figures[n].data[0] is not trace for n, trace in kept.items())
+
+
 def test_update_figure_replaces_traces():
     import plotly.graph_objects as go
 
