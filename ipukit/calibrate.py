@@ -41,8 +41,9 @@ _TABLE_FORMAT = 11
 #: two runs of the blocks agree when their forward + backward totals, block by block and
 #: weighted by cost, differ by at most this share
 AGREE = 0.10
-#: below this share of its cores' time the calibrating thread was not alone on the machine
-BUSY_SHARE = 0.75
+#: below this share of its cores' time the calibrating thread was not alone on the machine,
+#: and the time it lost can have stretched the blocks by more than a quarter (1 ÷ 0.8)
+BUSY_SHARE = 0.8
 #: ``I + W`` above this many times a block's full backward (plus 50 µs) is implausible
 SPLIT_LIMIT = 3.0
 #: a step above this many times a direct ``optimizer.step()`` (plus 0.5 ms) is implausible

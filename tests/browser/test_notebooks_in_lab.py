@@ -43,7 +43,7 @@ HERE = [n for n in NAMES if n not in LESSONS + SCALING]
 DOCS = ROOT / "docs"
 DOCS_MAX_BYTES = 256 * 1024      # the explorer with its speed-first summary: 216 KB
 #: an executed notebook saved from JupyterLab: its outputs (figures as plotly JSON), no widget state
-SAVED_MAX_BYTES = 4 * 1024 * 1024
+SAVED_MAX_BYTES = 2 * 1024 * 1024
 
 # -- code run in a notebook's kernel after the notebook ran (no cell is added) --------------
 
