@@ -372,16 +372,15 @@ def test_a_verdict_on_the_drawn_view_redraws_only_what_it_changes(explorer):
     assert all(d.figures[n].data[0] is not trace for n, trace in kept.items())
 
 
-def test_update_figure_replaces_traces():
-    import plotly.graph_objects as go
-
-    from ipukit.widgets.explorer import update_figure
-
-    w = go.FigureWidget()
-    update_figure(w, go.Figure([go.Bar(y=[1, 2]), go.Scatter(y=[1])], layout=dict(title="a")))
-    assert [t.type for t in w.data] == ["bar", "scatter"] and w.layout.title.text == "a"
-    update_figure(w, go.Figure([go.Bar(y=[3])], layout=dict(title="b")))
-    assert [t.type for t in w.data] == ["bar"] and w.layout.title.text == "b"
+def test_each_figure_is_its_boxs_one_plotly_output(explorer):
+    """A box holds its figure as a plotly mime output (no plotly widget bundle in the saved
+    widget state), laid out at the box's width and at its own height."""
+    box = explorer.dashboard._boxes["memory"]
+    (out,) = box.outputs
+    figure = out["data"]["application/vnd.plotly.v1+json"]
+    assert figure["layout"]["height"] == 360 and "width" not in figure["layout"]
+    assert [t["type"] for t in figure["data"]] == [t.type for t in explorer.memory_figure.data]
+    assert box.layout.width == "500px"
 
 
 def test_explorer_modeled_view_follows_controls(explorer):
@@ -701,25 +700,15 @@ def test_the_parts_attributes_reach_the_explorer_unambiguously(explorer):
     assert explorer.wait == explorer.runner.wait and explorer.error is explorer.dashboard.error
 
 
-def test_redraw_shows_fresh_widgets_holding_the_figures_whole(explorer):
-    """redraw() puts a new FigureWidget in each figure's box, its first state the whole
-    figure (a browser can lose deltas sent before the widget's JavaScript loaded)."""
-    def data(figure):
-        return [{k: v for k, v in t.items() if k != "uid"} for t in figure.to_dict()["data"]]
-
-    old = dict(explorer.figures)
-    before = data(explorer.modeled_utilisation_figure)
+def test_redraw_sends_every_figure_again_whole(explorer):
+    sent = []
+    for name, box in explorer.dashboard._boxes.items():
+        box.observe(lambda change, name=name: sent.append(name) if change["new"] else None,
+                    "outputs")
+    before = explorer.modeled_utilisation_figure.to_dict()["data"]
     explorer.redraw()
-    drawn = [n for n, w in old.items() if explorer.figures[n] is not w]
-    assert set(drawn) >= {"modeled timeline", "modeled utilisation", "memory", "training"}
-    assert all(old[n].comm is None for n in drawn)                   # the old ones are closed
-    assert explorer.modeled_utilisation_figure is explorer.figures["modeled utilisation"]
-    assert data(explorer.modeled_utilisation_figure) == before
-    fresh = explorer.modeled_utilisation_figure
-    assert fresh._widget_data and fresh._widget_layout["width"] == 500      # the first state
-    assert explorer.memory_figure.layout.width == 500 and explorer.memory_figure.layout.height == 360
-    boxes = [b.children[0] for b in explorer.dashboard._boxes.values()]
-    assert boxes == list(explorer.figures.values())
+    assert set(sent) == set(explorer.figures) and len(explorer.figures) == 7
+    assert explorer.modeled_utilisation_figure.to_dict()["data"] == before
 
 
 # -- every schedule: the selector and the comparison ---------------------------------------

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from ..core.errors import needs_extra
@@ -20,16 +21,12 @@ from .comparison import ScheduleRow
 FULL_WIDTH, PART_WIDTH = 1000, 500
 
 
-def update_figure(widget: go.FigureWidget, figure: go.Figure) -> None:
-    """Replace a FigureWidget's traces and layout with ``figure``'s in one update, keeping
-    the widget's own width and height (plotly's front end does not size it to its box)."""
-    width, height = widget.layout.width, widget.layout.height
-    with widget.batch_update():
-        widget.data = []
-        widget.add_traces(list(figure.data))
-        widget.layout = figure.layout
-        widget.layout.width = width
-        widget.layout.height = height
+def figure_output(figure: go.Figure) -> dict:
+    """``figure`` as a notebook output: plotly's mime type, which JupyterLab's plotly renderer
+    draws whole (an output carries the figure, not plotly's widget bundle)."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": json.loads(figure.to_json()),
+                     "text/plain": f"<Figure: {figure.layout.title.text or 'plotly'}>"}}
 
 
 class Dashboard:
@@ -52,12 +49,12 @@ class Dashboard:
                  "modeled timeline": (300, full), "modeled utilisation": (320, part),
                  "memory": (360, part), "measured timeline": (300, full),
                  "measured utilisation": (320, part), "training": (320, part)}
-        #: every figure by name; the boxes hold them (redraw() puts fresh ones in)
-        self.figures: Dict[str, go.FigureWidget] = {
-            n: go.FigureWidget(layout=dict(height=h, width=w, template="plotly_white"))
-            for n, (h, w) in sizes.items()}
-        self._boxes = {n: W.Box([self.figures[n]], layout=W.Layout(width=f"{w + 10}px"))
-                       for n, (_, w) in sizes.items()}
+        self._heights = {n: h for n, (h, _) in sizes.items()}
+        #: every figure by name, as last drawn; each is the one output of its box, laid out
+        #: at the box's width
+        self.figures: Dict[str, go.Figure] = {}
+        self._boxes = {n: W.Output(layout=W.Layout(width=f"{w}px", min_height=f"{h}px"))
+                       for n, (h, w) in sizes.items()}
         self._modeled: Dict[str, go.Figure] = {}
         self._shown: tuple = (None, None, None)      # the modeled view, rows and title drawn
         box = self._boxes
@@ -72,12 +69,14 @@ class Dashboard:
             W.HBox([box["measured utilisation"], box["training"]]),
             box["measured timeline"]])
         self.widget = W.VBox([controls, self.error, self.modeled_box, self.measured_box])
+        self._draw({n: go.Figure(layout=dict(template="plotly_white")) for n in sizes}, {})
         self.clear_measured()
 
     def _draw(self, figures: Mapping[str, go.Figure], into: Dict[str, go.Figure]) -> None:
         for name, figure in figures.items():
-            into[name] = figure
-            update_figure(self.figures[name], figure)
+            figure.update_layout(height=self._heights[name], width=None, autosize=True)
+            into[name] = self.figures[name] = figure
+            self._boxes[name].outputs = (figure_output(figure),)
 
     def show_modeled(self, view: logic.ModeledView, probe: Optional[logic.ProbeResult],
                      rows: Sequence[ScheduleRow] = ()) -> None:
@@ -149,19 +148,7 @@ class Dashboard:
     training_figure = property(lambda self: self.figures["training"])
 
     def redraw(self) -> None:
-        """Show every figure again, each in a fresh FigureWidget that carries it whole.
-
-        A FigureWidget sends deltas, which a browser loses until the widget's JavaScript has
-        loaded (a blank figure); a new widget's first state is the whole figure. Call it from
-        the kernel's main thread.
-        """
-        for name, old in list(self.figures.items()):
-            figure = self._modeled.get(name) or self._measured.get(name)
-            if figure is None:
-                continue
-            whole = go.Figure(figure)
-            whole.update_layout(width=old.layout.width, height=old.layout.height)
-            fresh = go.FigureWidget(whole)
-            self.figures[name] = fresh
-            self._boxes[name].children = (fresh,)
-            old.close()
+        """Send every figure to the front end again, whole."""
+        for name, figure in self.figures.items():
+            self._boxes[name].outputs = ()
+            self._boxes[name].outputs = (figure_output(figure),)

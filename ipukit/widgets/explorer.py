@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..core.errors import Error
 from . import logic
 from .controls import Controls
-from .dashboard import Dashboard, update_figure  # noqa: F401 - update_figure: public here too
+from .dashboard import Dashboard
 from .data import ExplorerData
 from .logic import Config
 from .models import by_name
@@ -179,8 +179,8 @@ class PipelineExplorer:
         return self.runner.history[before:]
 
     def redraw(self) -> None:
-        """Send every figure to the front end again, after ipukit's verdict (a FigureWidget
-        view still being created in the browser can miss updates)."""
+        """Model the controls again once ipukit's verdict is in, and send every figure to the
+        front end again, whole."""
         self.wait_for_verdict()
         self.refresh()
         self.dashboard.redraw()

@@ -16,8 +16,6 @@ Environment switches (all optional):
     break the front end on purpose, to prove the browser tests can fail
     (comma-separated):
 
-    * ``anywidget`` -- disable anywidget's JupyterLab extension in the
-      throw-away Jupyter config, so plotly's FigureWidgets cannot render;
     * ``callback`` -- make the explorer's control callback raise for changes
       made in the browser (an IPython startup file in the throw-away
       IPYTHONDIR patches ``PipelineExplorer._on_change``; changes made from
@@ -50,7 +48,7 @@ DATA = os.environ.get("IPUKIT_DATA") or str((ROOT / ".." / "shared" / "data").re
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
-BREAKS = {"anywidget", "callback"}
+BREAKS = {"callback"}
 BREAK = {s.strip() for s in os.environ.get("IPUKIT_BREAK_FRONTEND", "").split(",") if s.strip()}
 
 # Bounds on every wait, generous for a loaded 2-core CI machine.
@@ -227,14 +225,6 @@ def _break_frontend(state: Path, env: dict) -> None:
     if unknown:
         raise pytest.UsageError(f"IPUKIT_BREAK_FRONTEND: unknown {sorted(unknown)}; "
                                 f"known: {sorted(BREAKS)}")
-    if "anywidget" in BREAK:
-        # --level=user writes to JUPYTER_CONFIG_DIR, the throw-away folder (the default
-        # level would change the venv)
-        subprocess.run([sys.executable, "-m", "jupyter", "labextension", "disable",
-                        "--level=user", "anywidget"], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        page_config = state / "config" / "labconfig" / "page_config.json"
-        assert json.loads(page_config.read_text())["disabledExtensions"]["anywidget"] is True
     if "callback" in BREAK:
         startup = state / "ipython" / "profile_default" / "startup"
         startup.mkdir(parents=True)

@@ -5,7 +5,8 @@ For each notebook in notebooks/ (a new notebook is covered automatically):
 * every code cell ran and none shows an error;
 * every widget rendered: for each widget output, every widget of its tree in the kernel
   has a view on the page that is not an error view (and no "Error displaying widget");
-* every figure the kernel holds (cell results and live FigureWidgets) is drawn by
+* every figure the kernel holds (cell results, live FigureWidgets and plotly outputs of
+  Output widgets) is drawn by
   plotly.js with the same traces and the same numbers, and nothing else is drawn;
 * the values the notebook's checks display (its final cell) match specific figures,
   e.g. the explorer's utilisation bars: one per stage, the values the kernel holds.
@@ -59,6 +60,9 @@ def _ipukit_figures():
     def column(values):
         if values is None:
             return None
+        if isinstance(values, dict) and "bdata" in values:      # plotly's typed-array JSON
+            import base64
+            values = np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"])
         def plain(v):
             if isinstance(v, (bool, np.bool_)) or v is None:
                 return v
@@ -81,6 +85,13 @@ def _ipukit_figures():
                if isinstance(v, BaseFigure) and not isinstance(v, BaseFigureWidget)]
     figures += [describe(w, f"FigureWidget {w.model_id}") for w in list(_instances.values())
                 if isinstance(w, BaseFigureWidget)]
+    # figures an Output widget holds as plotly outputs (the explorer's boxes)
+    import plotly.graph_objects as go
+    from ipywidgets import Output
+    figures += [describe(go.Figure(o["data"]["application/vnd.plotly.v1+json"]),
+                         f"Output {w.model_id}")
+                for w in list(_instances.values()) if isinstance(w, Output)
+                for o in w.outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
     print(json.dumps(figures))
 
 _ipukit_figures()
@@ -143,8 +154,7 @@ class Notebooks:
             nb.screenshot(f"{Path(name).stem}-run-failed.png")
             raise
         if name == EXPLORER:
-            # every figure again, in fresh widgets, once the page has settled: a FigureWidget
-            # view it was still creating when the run ended may have missed an update
+            # every figure again, once the page has settled
             nb.page.wait_for_timeout(2000)
             nb.kernel_execute("explorer.redraw()")
         TIMINGS[name] = {"open": t1 - t0, "run": time.time() - t1}
@@ -561,7 +571,7 @@ def test_explorer_controls_round_trip(notebooks):
 
     The expected bars are computed here with ipukit.widgets.logic from the settings and costs
     the kernel printed, so a pass means: browser event -> kernel callback -> new modeled view
-    -> FigureWidget update -> plotly.js redraw, with the numbers the model gives.
+    -> new plotly output -> plotly.js draws it, with the numbers the model gives.
     """
     from ipukit.viz import plots as ipuplots
     from ipukit.widgets.logic import bar_values
